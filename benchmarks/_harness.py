@@ -1,0 +1,285 @@
+"""The benchmark harness: timing, the machine's ceilings, records, and the result files.
+
+Every family suite (``benchmarks/bench_<family>.py``) times its providers with :func:`time_ms` and
+hands each measurement to :func:`Recorder.add`, which computes GB/s or TFLOP/s and the fraction of the
+ceiling measured in the same run. At the end of the run :func:`write_results` writes, per family, under
+``benchmarks/results/<gpu-name>/`` (or ``$FUSED_KERNELS_RESULTS_DIR/<gpu-name>/``):
+
+- ``<family>.json``: a list of records (``family, provider, direction, dtype, <shape keys>, ms,
+  gbps|tflops, ceiling_fraction``, plus any family extras),
+- ``<family>.md``: one row per point, one column per provider, and ours' ratio to the best peer,
+- ``<family>.png``: the metric against size, one line per provider, one panel per series,
+- ``ceilings.json``: the copy bandwidth and matmul rate the fractions are taken against.
+
+Without a GPU the suites run in *smoke mode*: tiny shapes, kernels under the Triton interpreter, wall
+clock timing. Those timings mean nothing; the files go to ``benchmarks/results/cpu-smoke/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tests._mode import INTERPRETER
+
+SMOKE: bool = INTERPRETER
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+
+
+def gpu_slug() -> str:
+    """Folder name for this machine's results: the GPU's name, lower-case, dashes (``nvidia-h100-80gb-hbm3``)."""
+    if SMOKE:
+        return "cpu-smoke"
+    name = torch.cuda.get_device_name()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def results_dir() -> Path:
+    base = os.environ.get("FUSED_KERNELS_RESULTS_DIR")
+    return (Path(base) if base else RESULTS_ROOT) / gpu_slug()
+
+
+def time_ms(fn: Callable[[], object], *, grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of ``fn``: CUDA events through ``triton.testing.do_bench`` (L2 flushed before
+    every repetition) on a GPU; a few wall-clock runs in smoke mode."""
+    if SMOKE:
+        fn()
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            runs.append((time.perf_counter() - start) * 1e3)
+        return sorted(runs)[1]
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The machine's measured limits: device-to-device copy (bytes read + written) and a bf16 matmul."""
+
+    copy_gbps: float
+    matmul_tflops: float
+    device: str
+
+    def as_dict(self) -> dict:
+        return {"copy_gbps": self.copy_gbps, "matmul_tflops": self.matmul_tflops, "device": self.device}
+
+
+def measure_ceilings() -> Ceilings:
+    """Copy bandwidth on a 2 GiB buffer and an 8192^3 bf16 matmul on random data (tiny CPU stand-ins in
+    smoke mode)."""
+    device = "cpu" if SMOKE else "cuda"
+    numel = (1 << 20) if SMOKE else (1 << 29)  # fp32: 4 MiB smoke, 2 GiB on the GPU
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src))
+    copy_gbps = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3) / 1e9
+    src = dst = None  # free 4 GiB before the matmul
+    size = 256 if SMOKE else 8192
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    mm_ms = time_ms(lambda: a @ b)
+    matmul_tflops = 2 * size**3 / (mm_ms * 1e-3) / 1e12
+    name = "CPU (smoke mode)" if SMOKE else torch.cuda.get_device_name()
+    return Ceilings(copy_gbps=copy_gbps, matmul_tflops=matmul_tflops, device=name)
+
+
+@dataclass
+class Recorder:
+    """Collects one record per (family, provider, point) during a run."""
+
+    ceilings: Ceilings
+    records: list[dict] = field(default_factory=list)
+    x_keys: dict[str, str] = field(default_factory=dict)
+
+    def add(
+        self,
+        *,
+        family: str,
+        provider: str,
+        direction: str,
+        dtype: torch.dtype | str,
+        shape: dict,
+        ms: float,
+        x_key: str,
+        bytes_moved: float | None = None,
+        flops: float | None = None,
+        extra: dict | None = None,
+    ) -> dict:
+        """Store a measurement; exactly one of ``bytes_moved`` (GB/s) or ``flops`` (TFLOP/s) is given."""
+        if (bytes_moved is None) == (flops is None):
+            raise ValueError("give exactly one of bytes_moved (memory-bound) or flops (compute-bound)")
+        if direction not in ("fwd", "bwd", "fwd+bwd"):
+            raise ValueError(f"direction must be fwd, bwd or fwd+bwd, got {direction!r}")
+        dtype_name = str(dtype).replace("torch.", "")
+        record = {"family": family, "provider": provider, "direction": direction, "dtype": dtype_name}
+        record.update(shape)
+        record["ms"] = ms
+        if bytes_moved is not None:
+            record["gbps"] = bytes_moved / (ms * 1e-3) / 1e9
+            record["ceiling_fraction"] = record["gbps"] / self.ceilings.copy_gbps
+        else:
+            record["tflops"] = flops / (ms * 1e-3) / 1e12
+            record["ceiling_fraction"] = record["tflops"] / self.ceilings.matmul_tflops
+        if extra:
+            record.update(extra)
+        self.x_keys[family] = x_key
+        self.records.append(record)
+        return record
+
+
+_RECORD_FIXED = ("family", "provider", "direction", "dtype", "ms", "gbps", "tflops", "ceiling_fraction")
+
+
+def _shape_keys(records: list[dict], extras: set[str]) -> list[str]:
+    keys: list[str] = []
+    for r in records:
+        for k in r:
+            if k not in _RECORD_FIXED and k not in extras and k not in keys:
+                keys.append(k)
+    return keys
+
+
+def _metric(records: list[dict]) -> str:
+    return "gbps" if "gbps" in records[0] else "tflops"
+
+
+def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras: Sequence[str] = ()) -> str:
+    """One row per point, one column per provider (the metric), then ours' ratio to the best peer and
+    ours' fraction of the ceiling."""
+    metric = _metric(records)
+    unit = "GB/s" if metric == "gbps" else "TFLOP/s"
+    shape_keys = _shape_keys(records, set(extras))
+    providers: list[str] = []
+    for r in records:
+        if r["provider"] not in providers:
+            providers.append(r["provider"])
+    if "ours" in providers:
+        providers.remove("ours")
+        providers.insert(0, "ours")
+    rows: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in records:
+        point = (r["direction"], r["dtype"], *(r.get(k) for k in shape_keys))
+        rows[point][r["provider"]] = r
+    if metric == "gbps":
+        ceiling = f"{ceilings.copy_gbps:.0f} GB/s copy"
+    else:
+        ceiling = f"{ceilings.matmul_tflops:.0f} TFLOP/s bf16 matmul"
+    lines = [
+        f"# {family}: {unit} ({ceilings.device})",
+        "",
+        f"Ceiling measured in the same run: {ceiling}. torch {torch.__version__}, "
+        f"{'smoke mode: these timings mean nothing' if SMOKE else 'CUDA events, median, L2 flushed'}.",
+        "",
+    ]
+    head = ["direction", "dtype", *shape_keys, *providers, "ours / best peer", "ours / ceiling"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for point in sorted(rows, key=lambda p: tuple((str(type(v)), v) for v in p)):
+        by_provider = rows[point]
+        cells = [str(v) for v in point]
+        for prov in providers:
+            rec = by_provider.get(prov)
+            cells.append(f"{rec[metric]:.1f}" if rec else "–")
+        peers = [rec[metric] for prov, rec in by_provider.items() if prov != "ours"]
+        ours = by_provider.get("ours")
+        if ours and peers:
+            cells.append(f"{ours[metric] / max(peers):.2f}x")
+        else:
+            cells.append("–")
+        cells.append(f"{ours['ceiling_fraction']:.0%}" if ours else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    extra_keys = [k for k in extras if any(k in r for r in records)]
+    if extra_keys:
+        lines += ["", "Extras per record are in the JSON: " + ", ".join(extra_keys) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(family: str, records: list[dict], x_key: str, path: Path, extras: Sequence[str] = ()) -> None:
+    """The metric against ``x_key`` (log2 axis), one line per provider, one panel per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = _metric(records)
+    shape_keys = [k for k in _shape_keys(records, set(extras)) if k != x_key]
+    panels: dict[tuple, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        panel = (r["direction"], r["dtype"], *(f"{k}={r.get(k)}" for k in shape_keys))
+        panels[panel][r["provider"]].append((r[x_key], r[metric]))
+    n = len(panels)
+    cols = min(4, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (panel, lines) in zip(axes.flat, sorted(panels.items(), key=lambda kv: str(kv[0])), strict=False):
+        for provider, points in sorted(lines.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=provider,
+                    linewidth=2.5 if provider == "ours" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_title(" ".join(str(p) for p in panel), fontsize=9)
+        ax.set_xlabel(x_key)
+        ax.set_ylabel("GB/s" if metric == "gbps" else "TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(f"{family}{' (smoke mode: meaningless timings)' if SMOKE else ''}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+#: record keys that are measurements or annotations rather than shape (kept out of tables and panels)
+EXTRA_KEYS: tuple[str, ...] = ("saved_bytes_per_element", "peak_extra_mib", "x_key")
+
+
+def write_results(recorder: Recorder, out_dir: Path | None = None) -> list[Path]:
+    """Write ``<family>.json``, ``<family>.md``, ``<family>.png`` and ``ceilings.json``; return the paths."""
+    if not recorder.records:
+        return []
+    out = out_dir or results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    by_family: dict[str, list[dict]] = defaultdict(list)
+    for r in recorder.records:
+        by_family[r["family"]].append(r)
+    meta = {
+        **recorder.ceilings.as_dict(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "smoke": SMOKE,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency
+        pass
+    ceil_path = out / "ceilings.json"
+    ceil_path.write_text(json.dumps(meta, indent=2) + "\n")
+    written.append(ceil_path)
+    for family, records in by_family.items():
+        js = out / f"{family}.json"
+        js.write_text(json.dumps(records, indent=1) + "\n")
+        md = out / f"{family}.md"
+        md.write_text(markdown_table(family, records, recorder.ceilings, EXTRA_KEYS))
+        png = out / f"{family}.png"
+        plot(family, records, recorder.x_keys[family], png, EXTRA_KEYS)
+        written += [js, md, png]
+    return written

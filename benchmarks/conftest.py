@@ -1,0 +1,73 @@
+"""Benchmark fixtures: the ceilings (measured once per run), the recorder, and ``measure``, which times
+one provider at one point and records it; the result files are written when the run ends.
+
+Run on a GPU: ``python3 -m pytest benchmarks`` (or ``nox -s bench``). Without a GPU the same suites run
+in smoke mode (see ``benchmarks/_harness.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import _harness
+from tests import _mode  # noqa: F401  (chooses CUDA or the interpreter before triton is imported)
+
+_STATE: dict = {}
+
+
+def pytest_report_header(config):
+    if _harness.SMOKE:
+        return "fused-kernels benchmarks: SMOKE MODE (no GPU): interpreter, tiny shapes, timings mean nothing"
+    return "fused-kernels benchmarks: CUDA events via triton.testing.do_bench (median, L2 flushed)"
+
+
+@pytest.fixture(scope="session")
+def ceilings() -> _harness.Ceilings:
+    """Copy bandwidth and bf16 matmul rate of this machine, measured once in this run."""
+    return _harness.measure_ceilings()
+
+
+@pytest.fixture(scope="session")
+def recorder(ceilings) -> _harness.Recorder:
+    rec = _harness.Recorder(ceilings=ceilings)
+    _STATE["recorder"] = rec
+    return rec
+
+
+@pytest.fixture
+def measure(benchmark, recorder):
+    """``measure(fn, family=, provider=, direction=, dtype=, shape=, x_key=, bytes_moved= | flops=, ...)``
+
+    Times ``fn`` with :func:`benchmarks._harness.time_ms` inside pytest-benchmark's ``pedantic`` (one
+    round: pytest-benchmark's own wall-clock column is the cost of measuring, not the kernel), stores the
+    record and copies it into ``benchmark.extra_info``. Returns the record.
+    """
+
+    def _measure(fn, *, grad_to_none=None, **record_fields):
+        benchmark.group = " ".join(
+            str(record_fields[k]).replace("torch.", "") for k in ("family", "direction", "dtype")
+        )
+        ms = benchmark.pedantic(lambda: _harness.time_ms(fn, grad_to_none=grad_to_none), rounds=1, iterations=1)
+        record = recorder.add(ms=ms, **record_fields)
+        benchmark.extra_info.update(record)
+        return record
+
+    return _measure
+
+
+def pytest_sessionfinish(session, exitstatus):
+    rec = _STATE.get("recorder")
+    if rec is not None:
+        _STATE["written"] = _harness.write_results(rec)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    written = _STATE.get("written") or []
+    if written:
+        terminalreporter.write_sep("-", f"benchmark results written under {written[0].parent}")
+        for path in written:
+            terminalreporter.write_line(f"  {path.name}")
+    if _harness.SMOKE:
+        terminalreporter.write_sep(
+            "!", "SMOKE MODE: no GPU; kernels ran in the Triton interpreter on tiny shapes. These timings mean nothing."
+        )

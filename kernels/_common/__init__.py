@@ -1,0 +1,34 @@
+"""Mechanics shared by every kernel family: interpreter detection and device dispatch, the
+single-config autotune helper, argument checks, seeds and the ``torch.library`` namespace."""
+
+from kernels._common.autotune import autotune
+from kernels._common.runtime import INTERPRETER, backend_for, interpreter_requested, is_fake
+from kernels._common.seed import draw_seed, splitmix64
+from kernels._common.validate import (
+    FLOAT_DTYPES,
+    check_float_dtype,
+    check_probability,
+    check_same_device,
+    check_seed,
+    check_tensor,
+)
+
+#: Every public op is registered as ``torch.ops.fused_kernels.<name>``.
+LIBRARY_NAMESPACE = "fused_kernels"
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "INTERPRETER",
+    "LIBRARY_NAMESPACE",
+    "autotune",
+    "backend_for",
+    "check_float_dtype",
+    "check_probability",
+    "check_same_device",
+    "check_seed",
+    "check_tensor",
+    "draw_seed",
+    "interpreter_requested",
+    "is_fake",
+    "splitmix64",
+]

@@ -1,0 +1,52 @@
+"""Where a kernel runs: the Triton interpreter switch and the device dispatch rule.
+
+The rule (DESIGN.md): CUDA tensors run the Triton kernels; CPU tensors run the Triton kernels under the
+Triton interpreter when ``TRITON_INTERPRET=1`` was set before the kernels were imported, and otherwise run
+the pure-PyTorch twin from ``reference/``; any other device is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+from torch._subclasses.fake_tensor import is_fake as _torch_is_fake
+
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y"})
+
+
+def interpreter_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for the interpreter (parsed the way Triton parses it)."""
+    env = os.environ if environ is None else environ
+    return env.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE_WORDS
+
+
+# Triton decides at decoration time whether ``@triton.jit`` makes a compiled or an interpreted function,
+# so the answer that matters is the one in force when this package (and the kernels) were imported.
+INTERPRETER: bool = interpreter_requested()
+
+Backend = Literal["triton", "reference"]
+
+
+def backend_for(x: torch.Tensor) -> Backend:
+    """Which implementation runs for a tensor on ``x.device`` (see the module docstring)."""
+    kind = x.device.type
+    if kind == "cuda":
+        return "triton"
+    if kind == "cpu":
+        return "triton" if INTERPRETER else "reference"
+    raise ValueError(
+        f"fused-kernels runs on CUDA tensors (or CPU tensors through the Triton interpreter or the "
+        f"reference twin); got a tensor on device {x.device}"
+    )
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """True for FakeTensors and meta tensors: shape propagation (torch.compile, opcheck), nothing to run.
+
+    Compiled Triton kernels see fakes through ``wrap_triton``; interpreted ones would try to read their
+    (missing) data, so launchers ask this first.
+    """
+    return t.device.type == "meta" or _torch_is_fake(t)

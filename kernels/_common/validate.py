@@ -1,0 +1,72 @@
+"""Argument checks shared by every family's public entry points.
+
+Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value) with a
+message that names the argument and says what was expected, so a user never meets a Triton compile
+error or a silently wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: dtypes the kernels compute in (fp32 accumulation inside).
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, value) -> torch.Tensor:
+    """``value`` must be a ``torch.Tensor``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_float_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+    """``t`` must have one of the floating dtypes the kernels support."""
+    check_tensor(name, t)
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} must have dtype in ({_dtype_names(allowed)}), got {t.dtype}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """All given (non-None) tensors must live on one device."""
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    if not named:
+        return
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}: all tensors must be on "
+                f"one device"
+            )
+
+
+def check_probability(name: str, p, *, allow_one: bool) -> float:
+    """``p`` must be a real number in [0, 1] (or [0, 1) when ``allow_one`` is False); NaN is refused."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(p).__name__}")
+    p = float(p)
+    upper_ok = p <= 1.0 if allow_one else p < 1.0
+    if math.isnan(p) or p < 0.0 or not upper_ok:
+        interval = "[0, 1]" if allow_one else "[0, 1)"
+        raise ValueError(f"{name} must be in {interval}, got {p}")
+    return p
+
+
+def check_seed(name: str, seed) -> int | None:
+    """``seed`` must be None or an integer in [0, 2**64)."""
+    if seed is None:
+        return None
+    if isinstance(seed, torch.Tensor) and seed.numel() == 1 and not seed.is_floating_point():
+        seed = int(seed.item())
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{name} must be None or an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{name} must be in [0, 2**64), got {seed}")
+    return seed

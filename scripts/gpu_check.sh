@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: environment report, the CUDA test suite, the benchmarks.
+#
+#   bash scripts/gpu_check.sh [family]          # family: dropout | layernorm | attention (default: all)
+#
+# Uses the machine's own python3 (no network, no nox). Writes under $OUT (default ./gpu-out):
+#   env.txt, tests.log, bench.log, results.tgz (benchmarks/results/<gpu>/ of this run), summary.md
+# Knobs: SKIP_TESTS=1, SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args).
+# Exit status: non-zero when the tests or the benchmarks failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+FAMILY=${1:-}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export FUSED_KERNELS_RESULTS_DIR="$OUT/results"
+
+tests_target=tests
+bench_target=benchmarks
+if [ -n "$FAMILY" ]; then
+  tests_target=$(ls tests/test_"$FAMILY"*.py 2>/dev/null | tr '\n' ' ')
+  bench_target=$(ls benchmarks/bench_"$FAMILY"*.py 2>/dev/null | tr '\n' ' ')
+fi
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton, platform; print("python", platform.python_version(), "torch", torch.__version__, "triton", triton.__version__, "gpu", torch.cuda.get_device_name())'
+  python3 -c 'import apex; print("apex", getattr(apex, "__version__", "importable"))' 2>&1 | tail -n 1
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+status=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  python3 -m pytest $tests_target -q -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
+  rc=${PIPESTATUS[0]}
+  echo "tests: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.log"
+  [ "$rc" = 0 ] || status=1
+fi
+
+if [ "${SKIP_BENCH:-0}" != 1 ] && [ -n "$bench_target" ]; then
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  python3 -m pytest $bench_target -q -p no:cacheprovider --benchmark-columns=median ${BENCH_ARGS:-} 2>&1 \
+    > "$OUT/bench.log"
+  rc=$?
+  tail -n 30 "$OUT/bench.log"
+  echo "benchmarks: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
+  [ "$rc" = 0 ] || status=1
+  if [ -d "$OUT/results" ]; then
+    tar czf "$OUT/results.tgz" -C "$OUT/results" .
+    cat "$OUT"/results/*/*.md > "$OUT/summary.md" 2>/dev/null
+    rm -rf "$OUT/results"
+    cat "$OUT/summary.md"
+  fi
+fi
+exit $status

@@ -1,0 +1,64 @@
+"""Tests of the benchmark harness's arithmetic and result files (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks._harness import Ceilings, Recorder, markdown_table, write_results
+
+
+def _recorder() -> Recorder:
+    rec = Recorder(ceilings=Ceilings(copy_gbps=1000.0, matmul_tflops=500.0, device="test-gpu"))
+    for provider, ms in (("ours", 1.0), ("torch", 2.0), ("torch.compile", 4.0)):
+        for n in (1024, 4096):
+            rec.add(family="toy", provider=provider, direction="fwd", dtype="float16", shape={"n": n},
+                    ms=ms, x_key="n", bytes_moved=1e9, extra={"saved_bytes_per_element": 0})
+    return rec
+
+
+def test_recorder_computes_rates_and_ceiling_fractions():
+    rec = _recorder()
+    ours = rec.records[0]
+    assert ours["gbps"] == pytest.approx(1000.0)
+    assert ours["ceiling_fraction"] == pytest.approx(1.0)
+    assert rec.records[2]["gbps"] == pytest.approx(500.0)
+    flop_rec = rec.add(family="mm", provider="ours", direction="bwd", dtype="bfloat16", shape={"s": 1},
+                       ms=2.0, x_key="s", flops=5e11)
+    assert flop_rec["tflops"] == pytest.approx(250.0)
+    assert flop_rec["ceiling_fraction"] == pytest.approx(0.5)
+
+
+def test_recorder_refuses_ambiguous_records():
+    rec = _recorder()
+    with pytest.raises(ValueError, match="exactly one"):
+        rec.add(family="x", provider="ours", direction="fwd", dtype="float16", shape={}, ms=1.0, x_key="n")
+    with pytest.raises(ValueError, match="direction"):
+        rec.add(family="x", provider="ours", direction="sideways", dtype="float16", shape={}, ms=1.0,
+                x_key="n", flops=1.0)
+
+
+def test_markdown_table_has_one_row_per_point_and_ratio_to_best_peer():
+    rec = _recorder()
+    table = markdown_table("toy", rec.records, rec.ceilings, extras=("saved_bytes_per_element",))
+    lines = [line for line in table.splitlines() if line.startswith("| fwd")]
+    assert len(lines) == 2
+    header = next(line for line in table.splitlines() if line.startswith("| direction"))
+    assert header.split(" | ")[3:6] == ["ours", "torch", "torch.compile"]
+    # ours 1000 GB/s, best peer (torch) 500 GB/s
+    assert "| 2.00x | 100% |" in lines[0]
+    assert "saved_bytes_per_element" not in header
+
+
+def test_write_results_writes_json_markdown_plot_and_ceilings(tmp_path):
+    rec = _recorder()
+    paths = write_results(rec, out_dir=tmp_path)
+    names = sorted(p.name for p in paths)
+    assert names == ["ceilings.json", "toy.json", "toy.md", "toy.png"]
+    records = json.loads((tmp_path / "toy.json").read_text())
+    assert len(records) == 6
+    assert {"family", "provider", "direction", "dtype", "n", "ms", "gbps", "ceiling_fraction"} <= set(records[0])
+    assert (tmp_path / "toy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    meta = json.loads((tmp_path / "ceilings.json").read_text())
+    assert meta["copy_gbps"] == 1000.0

@@ -1,0 +1,147 @@
+"""Tests of kernels/_common: interpreter detection, the single-config autotune helper, the argument
+checks and the seed source. They run in both modes and assert what each mode must do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    INTERPRETER,
+    autotune,
+    backend_for,
+    check_float_dtype,
+    check_probability,
+    check_same_device,
+    check_seed,
+    draw_seed,
+    interpreter_requested,
+    splitmix64,
+)
+from tests._mode import DEVICE
+from tests._mode import INTERPRETER as TEST_INTERPRETER
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1", True), ("true", True), ("ON", True), (" yes ", True), ("0", False), ("", False), ("no", False)],
+)
+def test_interpreter_requested_parses_the_env_like_triton(value, expected):
+    assert interpreter_requested({"TRITON_INTERPRET": value}) is expected
+
+
+def test_interpreter_requested_defaults_to_off():
+    assert interpreter_requested({}) is False
+
+
+def test_library_and_tests_agree_on_the_mode():
+    assert INTERPRETER is TEST_INTERPRETER
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def test_jit_kernels_are_interpreted_exactly_in_interpreter_mode():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(_copy_kernel, InterpretedFunction) is INTERPRETER
+
+
+def test_backend_dispatch_rule():
+    assert backend_for(torch.empty(1)) == ("triton" if INTERPRETER else "reference")
+    if torch.cuda.is_available():
+        assert backend_for(torch.empty(1, device="cuda")) == "triton"
+    with pytest.raises(ValueError, match="device meta"):
+        backend_for(torch.empty(1, device="meta"))
+
+
+_TUNED_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((16, 1), (64, 2), (128, 4))]
+
+
+@autotune(_TUNED_CONFIGS, key=["n"])
+@triton.jit
+def _tuned_scale_kernel(src_ptr, dst_ptr, n, factor, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask) * factor, mask=mask)
+
+
+def test_autotune_keeps_one_config_under_the_interpreter_and_all_on_gpu():
+    expected = 1 if INTERPRETER else len(_TUNED_CONFIGS)
+    assert len(_tuned_scale_kernel.configs) == expected
+
+
+def test_autotuned_kernel_runs_and_uses_the_first_config_under_the_interpreter():
+    src = torch.randn(1000, device=DEVICE)
+    dst = torch.full_like(src, float("nan"))
+    grid = lambda meta: (triton.cdiv(src.numel(), meta["BLOCK"]),)
+    _tuned_scale_kernel[grid](src, dst, src.numel(), 3.0)
+    torch.testing.assert_close(dst, src * 3.0)
+    if INTERPRETER:
+        assert _tuned_scale_kernel.best_config.kwargs == {"BLOCK": 16}
+    else:
+        assert _tuned_scale_kernel.best_config in _TUNED_CONFIGS
+
+
+def test_autotune_interpreter_override_and_explicit_interpreter_config():
+    chosen = triton.Config({"BLOCK": 64}, num_warps=2)
+    tuner = autotune(_TUNED_CONFIGS, key=["n"], interpreter=True, interpreter_config=chosen)(_copy_kernel)
+    assert tuner.configs == [chosen]
+    tuner = autotune(_TUNED_CONFIGS, key=["n"], interpreter=False)(_copy_kernel)
+    assert len(tuner.configs) == len(_TUNED_CONFIGS)
+    with pytest.raises(ValueError, match="at least one config"):
+        autotune([], key=["n"])
+
+
+def test_check_probability():
+    assert check_probability("p", 0, allow_one=True) == 0.0
+    assert check_probability("p", 1.0, allow_one=True) == 1.0
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"p must be in \[0, 1\]"):
+            check_probability("p", bad, allow_one=True)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        check_probability("dropout_p", 1.0, allow_one=False)
+    with pytest.raises(TypeError, match="p must be a float"):
+        check_probability("p", "0.5", allow_one=True)
+
+
+def test_check_float_dtype_and_devices():
+    check_float_dtype("x", torch.empty(2, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"x must have dtype in \(float16, bfloat16, float32\), got torch.int32"):
+        check_float_dtype("x", torch.empty(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        check_float_dtype("x", [1.0])
+    check_same_device(a=torch.empty(1), b=None, c=torch.empty(1))
+    with pytest.raises(ValueError, match="b is on meta but a is on cpu"):
+        check_same_device(a=torch.empty(1), b=torch.empty(1, device="meta"))
+
+
+def test_check_seed():
+    assert check_seed("seed", None) is None
+    assert check_seed("seed", 2**64 - 1) == 2**64 - 1
+    assert check_seed("seed", torch.tensor(7)) == 7
+    with pytest.raises(ValueError, match="seed must be in"):
+        check_seed("seed", -1)
+    with pytest.raises(TypeError, match="seed must be None or an int"):
+        check_seed("seed", 1.5)
+
+
+def test_splitmix64_matches_the_published_sequence():
+    # SplitMix64 from state 0: the first two outputs of the reference generator.
+    assert splitmix64(0) == 0xE220A8397B1DCDAF
+    assert splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
+
+
+def test_draw_seed_follows_torch_manual_seed():
+    torch.manual_seed(123)
+    first = [draw_seed(torch.device(DEVICE)) for _ in range(3)]
+    torch.manual_seed(123)
+    again = [draw_seed(torch.device(DEVICE)) for _ in range(3)]
+    assert first == again
+    assert len(set(first)) == 3
+    assert all(0 <= s < 2**64 for s in first)
