@@ -5,6 +5,6 @@ nothing. ``import reference`` gives ``reference.dropout``, ``reference.layernorm
 ``reference.attention``.
 """
 
-from reference import attention, layernorm
+from reference import attention, dropout, layernorm
 
-__all__ = ["attention", "layernorm"]
+__all__ = ["attention", "dropout", "layernorm"]

@@ -1,0 +1,87 @@
+"""Dropout benchmarks: ours vs torch eager vs torch.compile, forward and backward.
+
+Bytes counted: 2 * n * element size (read x, write y; backward: read dy, write dx): what must move.
+torch also writes a 1-byte mask in the forward and reads it in the backward; that traffic is its cost,
+not counted as useful bytes. ``saved_bytes_per_element`` is measured: device memory still held after
+the forward (input requiring grad), less the output, per element.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks._harness import SMOKE
+from kernels.dropout import dropout
+from tests._mode import DEVICE
+
+P = 0.5
+PROVIDERS = ["ours", "torch", "torch.compile"]
+DTYPES = [torch.float32, torch.float16] if SMOKE else [torch.float16, torch.bfloat16, torch.float32]
+SIZES = [1 << 12, 1 << 14] if SMOKE else [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 27, 1 << 28]
+
+
+@functools.cache
+def _compiled_dropout():
+    return torch.compile(lambda x: F.dropout(x, P, True), dynamic=False)
+
+
+def _provider_fn(provider: str):
+    if provider == "ours":
+        return lambda x: dropout(x, P)
+    if provider == "torch":
+        return lambda x: F.dropout(x, P, True)
+    if SMOKE:
+        pytest.skip("torch.compile is not run in smoke mode (CPU inductor compiles; timings mean nothing)")
+    return _compiled_dropout()
+
+
+def _saved_bytes_per_element(fn, x: torch.Tensor) -> float | None:
+    if SMOKE:
+        return None
+    x = x.detach().requires_grad_(True)
+    fn(x)  # warm: compile, allocator pools
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = fn(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y
+    return held / x.numel()
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_dropout(measure, provider, dtype, n, direction):
+    fn = _provider_fn(provider)
+    x = torch.randn(n, device=DEVICE, dtype=dtype)
+    extra = {}
+    if direction == "fwd":
+        run = functools.partial(fn, x)
+        grad_to_none = None
+        saved = _saved_bytes_per_element(fn, x)
+        if saved is not None:
+            extra["saved_bytes_per_element"] = saved
+    else:
+        x.requires_grad_(True)
+        y = fn(x)
+        dy = torch.randn_like(y)
+        run = lambda: y.backward(dy, retain_graph=True)
+        grad_to_none = [x]
+    measure(
+        run,
+        grad_to_none=grad_to_none,
+        family="dropout",
+        provider=provider,
+        direction=direction,
+        dtype=dtype,
+        shape={"n": n},
+        x_key="n",
+        bytes_moved=2 * n * x.element_size(),
+        extra=extra,
+    )

@@ -1,0 +1,184 @@
+"""Launcher, registered ops and autograd for seeded dropout.
+
+Eager calls run ``_DropoutFunction`` (a plain ``torch.autograd.Function``); under torch.compile the
+public function calls the registered ops, which share the same implementation. Ops
+(``torch.ops.fused_kernels``):
+
+- ``dropout(x, p, seed) -> Tensor``: out-of-place, differentiable; its backward is the same op on the
+  incoming gradient with the same ``(p, seed)`` (the mask is regenerated, nothing is saved but the
+  seed).
+- ``dropout_(x, p, seed) -> ()``: in place, for tensors that need no gradient.
+
+Both are ``torch.library.triton_op``s, so torch.compile sees the Triton kernel. On CPU tensors without
+the Triton interpreter they run the twin ``reference.dropout`` (bit-identical).
+
+Launch rule: one program per ``4 * LANE_STRIDE * CHUNKS`` elements; ``_launch_config`` picks CHUNKS and
+the warps (see the family README for the measurements behind it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+import reference.dropout as twin
+from kernels._common import (
+    FLOAT_DTYPES,
+    INTERPRETER,
+    backend_for,
+    check_float_dtype,
+    check_probability,
+    check_seed,
+    check_tensor,
+    draw_seed,
+    is_fake,
+)
+from kernels.dropout._kernels import LANE_STRIDE_ELEMENTS, _dropout_fwd_kernel
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+_CHUNK = 4 * LANE_STRIDE_ELEMENTS
+
+
+def keep_threshold(p: float) -> int:
+    """Keep an element iff its Philox word is >= ``round(p * 2**32)`` (capped at ``2**32 - 1``)."""
+    return min(round(p * 2**32), _MASK32)
+
+
+def _launch_config(n: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(chunks per program, warps): 1024-element runs over 4 warps give 8 elements per thread per load,
+    16-byte accesses in fp16/bf16."""
+    return 1, 4
+
+
+def _kernel_scalars(p: float, seed: int) -> tuple[int, int, int, float]:
+    """The kernel's scalar arguments for ``(p, seed)``: key words, keep threshold, scale."""
+    return seed & _MASK32, (seed >> 32) & _MASK32, keep_threshold(p), 1.0 / (1.0 - p)
+
+
+def _launch(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: bool) -> None:
+    """Run the kernel over contiguous ``src`` into contiguous ``out`` (which may be ``src``).
+
+    ``traceable`` (inside the registered ops) launches through ``wrap_triton`` so torch.compile can trace
+    the kernel; eager calls launch it directly, because in eager mode ``wrap_triton`` routes every launch
+    through a higher-order op that costs ~0.3 ms of host time (measured, family README).
+    """
+    n = src.numel()
+    # Fake tensors (torch.compile tracing, opcheck) reach here too: wrap_triton records the compiled kernel
+    # into the graph, but an interpreted kernel would try to read their missing data.
+    if n == 0 or (INTERPRETER and is_fake(src)):
+        return
+    chunks, num_warps = _launch_config(n, src.dtype)
+    per_program = _CHUNK * chunks
+    grid = ((n + per_program - 1) // per_program,)  # not triton.cdiv: a jit function, ~9 us from Python
+    kernel = wrap_triton(_dropout_fwd_kernel) if traceable else _dropout_fwd_kernel
+    kernel[grid](src, out, n, *scalars, CHUNKS=chunks, num_warps=num_warps)
+
+
+def _to_op_seed(seed: int) -> int:
+    """Op schemas carry int64: a 64-bit unsigned seed travels as its two's-complement value."""
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def _dropout_impl(x: torch.Tensor, p: float, seed: int, *, traceable: bool = False,
+                  scalars: tuple | None = None) -> torch.Tensor:
+    """Seeded dropout for ``0 < p < 1`` and a 64-bit unsigned ``seed``: the one implementation behind the
+    eager path and the registered op (``scalars``: ``_kernel_scalars(p, seed)`` when already known)."""
+    if backend_for(x) == "reference":
+        return twin.dropout(x, p, seed=seed)
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    _launch(src, out, scalars or _kernel_scalars(p, seed), traceable=traceable)
+    return out
+
+
+class _DropoutFunction(torch.autograd.Function):
+    """Eager autograd: the backward is the same dropout on the gradient, from the saved seed alone.
+
+    Eager calls take this path rather than the registered op because the dispatcher's Python custom-op
+    path costs tens of microseconds per call, as much as the kernel itself at 2**24 elements (see the
+    family README); torch.compile traces the registered op instead.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+        ctx.p, ctx.seed, ctx.scalars = p, seed, _kernel_scalars(p, seed)
+        return _dropout_impl(x, p, seed, scalars=ctx.scalars)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return _dropout_impl(grad_out, ctx.p, ctx.seed, scalars=ctx.scalars), None, None
+
+
+@triton_op("fused_kernels::dropout", mutates_args=())
+def dropout_op(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """Registered op: seeded dropout for ``0 < p < 1``; ``seed`` is the 64-bit seed as a signed int64."""
+    return _dropout_impl(x, p, seed & _MASK64, traceable=True)
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.p, ctx.seed = inputs
+
+
+def _backward(ctx, grad_out):
+    return torch.ops.fused_kernels.dropout(grad_out, ctx.p, ctx.seed), None, None
+
+
+dropout_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _dropout_inplace_impl(x: torch.Tensor, p: float, seed: int, *, traceable: bool = False) -> None:
+    if backend_for(x) == "reference" or not x.is_contiguous():
+        x.copy_(_dropout_impl(x, p, seed, traceable=traceable))
+    else:
+        _launch(x, x, _kernel_scalars(p, seed), traceable=traceable)
+
+
+@triton_op("fused_kernels::dropout_", mutates_args={"x"})
+def dropout_inplace_op(x: torch.Tensor, p: float, seed: int) -> None:
+    """Registered op: in-place seeded dropout for ``0 < p < 1`` on a tensor that needs no gradient."""
+    _dropout_inplace_impl(x, p, seed & _MASK64, traceable=True)
+
+
+def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int | None = None,
+            inplace: bool = False) -> torch.Tensor:
+    """Dropout whose mask is a pure function of ``(seed, element index)`` and is never stored.
+
+    Args:
+        x: fp16, bf16 or fp32 tensor of any shape and strides (CUDA; CPU runs the interpreter or the twin).
+        p: probability of zeroing an element, in ``[0, 1]``. Kept elements are scaled by ``1 / (1 - p)``.
+        training: when False, ``x`` is returned unchanged (as ``torch.nn.functional.dropout``).
+        seed: 64-bit seed. ``None`` draws one from torch's generator for ``x.device``, so
+            ``torch.manual_seed`` governs it and two calls differ. The same ``(seed, p, shape)`` gives the
+            same mask; element ``i`` (row-major in the logical shape) is decided by Philox word ``i``.
+        inplace: write the result into ``x`` (returns ``x``).
+
+    Returns ``x`` itself when ``p == 0`` or ``training`` is False; zeros when ``p == 1``. The backward
+    regenerates the mask from the seed: 0 bytes per element are saved.
+    """
+    check_tensor("x", x)
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor (float16, bfloat16, float32), got {x.dtype}")
+    check_float_dtype("x", x, FLOAT_DTYPES)
+    p = check_probability("p", p, allow_one=True)
+    seed = check_seed("seed", seed)
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x.zero_() if inplace else torch.where(torch.zeros((), dtype=torch.bool, device=x.device), x, 0.0)
+    backend_for(x)  # a clear error for unsupported devices before any seed is drawn
+    if seed is None:
+        seed = draw_seed(x.device)
+    needs_grad = x.requires_grad and torch.is_grad_enabled()
+    if torch.compiler.is_compiling():
+        op_seed = _to_op_seed(seed)
+        if inplace and not needs_grad:
+            torch.ops.fused_kernels.dropout_(x, p, op_seed)
+            return x
+        out = torch.ops.fused_kernels.dropout(x, p, op_seed)
+    elif inplace and not needs_grad:
+        _dropout_inplace_impl(x, p, seed)
+        return x
+    else:
+        out = _DropoutFunction.apply(x, p, seed) if needs_grad else _dropout_impl(x, p, seed)
+    return x.copy_(out) if inplace else out
