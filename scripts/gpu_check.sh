@@ -15,6 +15,13 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export FUSED_KERNELS_RESULTS_DIR="$OUT/results"
 
+# Peers carried as wheels (the GPU machine has no network): `.whl/` is git-ignored and passed with
+# `carry`; see the README of the device tool. Installed into a private folder, never over the image.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fk-site .whl/*.whl \
+    && export PYTHONPATH="/tmp/fk-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
 tests_target=tests
 bench_target=benchmarks
 if [ -n "$FAMILY" ]; then
@@ -26,6 +33,7 @@ fi
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, triton, platform; print("python", platform.python_version(), "torch", torch.__version__, "triton", triton.__version__, "gpu", torch.cuda.get_device_name())'
   python3 -c 'import apex; print("apex", getattr(apex, "__version__", "importable"))' 2>&1 | tail -n 1
+  python3 -c 'import liger_kernel, importlib.metadata as m; print("liger-kernel", m.version("liger-kernel"))' 2>&1 | tail -n 1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 

@@ -2,6 +2,7 @@
 single-config autotune helper, argument checks, seeds and the ``torch.library`` namespace."""
 
 from kernels._common.autotune import autotune
+from kernels._common.launch import cdiv, kernel_for, multiprocessor_count, nothing_to_launch
 from kernels._common.runtime import INTERPRETER, backend_for, interpreter_requested, is_fake
 from kernels._common.seed import draw_seed, splitmix64
 from kernels._common.validate import (
@@ -22,6 +23,7 @@ __all__ = [
     "LIBRARY_NAMESPACE",
     "autotune",
     "backend_for",
+    "cdiv",
     "check_float_dtype",
     "check_probability",
     "check_same_device",
@@ -30,5 +32,8 @@ __all__ = [
     "draw_seed",
     "interpreter_requested",
     "is_fake",
+    "kernel_for",
+    "multiprocessor_count",
+    "nothing_to_launch",
     "splitmix64",
 ]

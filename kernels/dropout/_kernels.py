@@ -68,6 +68,9 @@ def _dropout_fwd_kernel(
     k0 = tl.cast(seed_lo, tl.uint32)
     k1 = tl.cast(seed_hi, tl.uint32)
     thr = tl.cast(threshold, tl.uint32)
+    # Pin the scale to fp32 (what an eager launch passes): inductor's launcher may hand floats over wider,
+    # and x * scale must round the same way in both.
+    scale = tl.cast(scale, tl.float32)
     lane = tl.arange(0, LANE_STRIDE)
     out_ty = y_ptr.dtype.element_ty
     for step in tl.static_range(CHUNKS):

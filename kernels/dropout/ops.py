@@ -19,19 +19,20 @@ the warps (see the family README for the measurements behind it).
 from __future__ import annotations
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 import reference.dropout as twin
 from kernels._common import (
     FLOAT_DTYPES,
-    INTERPRETER,
     backend_for,
+    cdiv,
     check_float_dtype,
     check_probability,
     check_seed,
     check_tensor,
     draw_seed,
-    is_fake,
+    kernel_for,
+    nothing_to_launch,
 )
 from kernels.dropout._kernels import LANE_STRIDE_ELEMENTS, _dropout_fwd_kernel
 
@@ -60,19 +61,16 @@ def _launch(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: 
     """Run the kernel over contiguous ``src`` into contiguous ``out`` (which may be ``src``).
 
     ``traceable`` (inside the registered ops) launches through ``wrap_triton`` so torch.compile can trace
-    the kernel; eager calls launch it directly, because in eager mode ``wrap_triton`` routes every launch
-    through a higher-order op that costs ~0.3 ms of host time (measured, family README).
+    the kernel; eager calls launch it directly (see ``kernels._common.launch``).
     """
-    n = src.numel()
-    # Fake tensors (torch.compile tracing, opcheck) reach here too: wrap_triton records the compiled kernel
-    # into the graph, but an interpreted kernel would try to read their missing data.
-    if n == 0 or (INTERPRETER and is_fake(src)):
+    if nothing_to_launch(src):
         return
+    n = src.numel()
     chunks, num_warps = _launch_config(n, src.dtype)
-    per_program = _CHUNK * chunks
-    grid = ((n + per_program - 1) // per_program,)  # not triton.cdiv: a jit function, ~9 us from Python
-    kernel = wrap_triton(_dropout_fwd_kernel) if traceable else _dropout_fwd_kernel
-    kernel[grid](src, out, n, *scalars, CHUNKS=chunks, num_warps=num_warps)
+    grid = (cdiv(n, _CHUNK * chunks),)
+    kernel_for(_dropout_fwd_kernel, traceable=traceable)[grid](
+        src, out, n, *scalars, CHUNKS=chunks, num_warps=num_warps
+    )
 
 
 def _to_op_seed(seed: int) -> int:

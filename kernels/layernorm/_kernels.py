@@ -1,0 +1,365 @@
+"""Fused LayerNorm / RMSNorm in Triton: forward, backward, and the dW/dB reduction.
+
+Implements:
+- ``_layer_norm_fwd_kernel``: per row, mean and 1/std in fp32; writes y, mean, rstd. Register path:
+  a ``BLOCK_M x BLOCK_N`` tile holds several short rows at once (small N is neither launch- nor
+  latency-bound). Chunked path (rows wider than one tile): pass 1 merges per-chunk mean and M2
+  (Chan, Golub and LeVeque's parallel variance), pass 2 re-reads the row (mostly from L2) and writes y.
+- ``_layer_norm_bwd_kernel`` (rows up to one tile): programs own contiguous row ranges; each computes
+  dx for its rows and sums its rows' ``dy * xhat`` / ``dy`` in fp32 registers, then adds that partial
+  into one of ``GROUP_SIZE_M`` fp32 buffers under a spin lock (``atomic_cas`` to take, ``atomic_xchg``
+  on a first-write flag, a barrier, ``atomic_xchg`` to release). ``DETERMINISTIC`` gives each program
+  its own buffer: no lock, and the fixed-order sum below makes dW/dB bitwise reproducible.
+- Wider rows cannot keep a partial row of dW in registers, so they take two lock-free kernels:
+  ``_layer_norm_bwd_row_terms_kernel`` streams each row once for ``mean(g)`` and ``mean(g * xhat)``;
+  ``_layer_norm_bwd_columns_kernel`` gives each program a column block and a group of rows, writes dx
+  and sums dW/dB for its columns in registers, one exclusive buffer per row group (deterministic in
+  both modes). It reads x and dy twice: 5 passes of M*N instead of 3.
+- ``_layer_norm_bwd_dwdb_kernel``: sums the buffers in buffer order into dW and dB.
+RMSNorm is the same code with ``IS_RMS`` (no mean, no bias). Row statistics divide with ``tl.div_rn``:
+Triton's default fp32 ``/`` is approximate (``div.full``), and with N = 1 an ulp off in ``mean(g)`` makes
+dx nonzero (times rstd ~ 1/sqrt(eps)) where it must be exactly 0.
+
+Derived from: the fused LayerNorm of the Triton tutorials (locked partial buffers), with fp32 buffers,
+programs that own many rows (one locked add per program instead of one per row) and a chunked path.
+
+Trade-off: one locked add per program keeps lock traffic negligible; the buffers cost
+``GROUP_SIZE_M * N * 8`` bytes, and the deterministic layout ``programs * N * 8`` (more traffic for the
+final sum, no waiting on locks). Limits: rows must be contiguous along N (the launcher copies otherwise).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr,  # (M, N) input, row stride stride_x_row, unit column stride
+    y_ptr,  # (M, N) output, row stride stride_y_row
+    w_ptr,  # (N,) weight (any float dtype) or a dummy when HAS_WEIGHT is False
+    b_ptr,  # (N,) bias or a dummy when HAS_BIAS is False
+    mean_ptr,  # (M,) fp32 mean (not written for RMSNorm)
+    rstd_ptr,  # (M,) fp32 1/std
+    M,
+    N,
+    stride_x_row,
+    stride_y_row,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,  # BLOCK_N >= N: the rows stay in registers
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
+    y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y_row
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE_PASS:
+        mask = row_mask[:, None] & (cols[None, :] < N)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if IS_RMS:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            xc = x
+        else:
+            mean = tl.div_rn(tl.sum(x, axis=1), N * 1.0)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.div_rn(tl.sum(xc * xc, axis=1), N * 1.0) + eps)
+        y = xc * rstd[:, None]
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of squared deviations (sum of squares for RMS)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = row_mask[:, None] & (c[None, :] < N)
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if IS_RMS:
+                m2 += tl.sum(x * x, axis=1)
+            else:
+                count_b = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+                count_a = tl.cast(start, tl.float32)
+                mean_b = tl.sum(x, axis=1) / count_b
+                xc = tl.where(mask, x - mean_b[:, None], 0.0)
+                delta = mean_b - mean
+                total = count_a + count_b
+                mean = mean + delta * (count_b / total)
+                m2 = m2 + tl.sum(xc * xc, axis=1) + delta * delta * (count_a * count_b / total)
+        rstd = 1.0 / tl.sqrt(tl.div_rn(m2, N * 1.0) + eps)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = row_mask[:, None] & (c[None, :] < N)
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean[:, None]) * rstd[:, None]
+            if HAS_WEIGHT:
+                y = y * tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+            if HAS_BIAS:
+                y = y + tl.load(b_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_rows + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if not IS_RMS:
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _add_partial(
+    partial_ptr,  # (slots, 2, N) fp32: row 0 of a slot is dW's partial, row 1 dB's
+    lock_ptr,  # (locks,) int32, zero on entry
+    count_ptr,  # (locks,) int32 first-write flags, zero on entry
+    slot,
+    lock_index,
+    cols,
+    col_mask,
+    dw,
+    db,
+    N,
+    DETERMINISTIC: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+):
+    """Add partial ``dw``/``db`` (fp32, over ``cols``) into buffer ``slot`` (with DETERMINISTIC the slot is
+    this program's own: a plain store)."""
+    dw_ptrs = partial_ptr + slot.to(tl.int64) * 2 * N + cols
+    db_ptrs = dw_ptrs + N
+    if not DETERMINISTIC:
+        while tl.atomic_cas(lock_ptr + lock_index, 0, 1) == 1:
+            pass
+        # The first holder of a lock stores; later holders add. xchg reads and sets the flag at once.
+        if tl.atomic_xchg(count_ptr + lock_index, 1) != 0:
+            # .cg: read the previous holder's stores from L2, never from a stale L1 line.
+            if NEED_DW:
+                dw += tl.load(dw_ptrs, mask=col_mask, other=0.0, cache_modifier=".cg")
+            if NEED_DB:
+                db += tl.load(db_ptrs, mask=col_mask, other=0.0, cache_modifier=".cg")
+    if NEED_DW:
+        tl.store(dw_ptrs, dw, mask=col_mask)
+    if NEED_DB:
+        tl.store(db_ptrs, db, mask=col_mask)
+    if not DETERMINISTIC:
+        # Every thread's store must be done before the lock is released.
+        tl.debug_barrier()
+        tl.atomic_xchg(lock_ptr + lock_index, 0)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    x_ptr,  # (M, N) forward input, row stride stride_x_row
+    dy_ptr,  # (M, N) upstream gradient, row stride stride_dy_row
+    dx_ptr,  # (M, N) output gradient, row stride stride_dx_row
+    w_ptr,  # (N,) weight or dummy
+    mean_ptr,  # (M,) fp32 (unused for RMSNorm)
+    rstd_ptr,  # (M,) fp32
+    partial_ptr,  # (slots, 2, N) fp32 partial dW/dB buffers
+    lock_ptr,  # (slots * chunks,) int32 spin locks
+    count_ptr,  # (slots * chunks,) int32 first-write flags
+    M,
+    N,
+    stride_x_row,
+    stride_dy_row,
+    stride_dx_row,
+    rows_per_program,
+    group_size_m,  # buffers shared through locks (ignored when DETERMINISTIC)
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Rows up to one tile wide: dx, and one locked add of this program's partial dW/dB."""
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = row_start + rows_per_program  # the last program's range may pass M: rows are masked
+    slot = pid if DETERMINISTIC else pid % group_size_m
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    # Accumulate a whole tile per row slot and reduce over rows once at the end: a tl.sum(axis=0) per
+    # iteration would cross warps (shared memory and a barrier) on every tile.
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_mask = (rows < row_end) & (rows < M)
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_WEIGHT:
+            # A select, not a bare product: `g - c1` must not contract to fma(dy, w, -c1), whose unrounded
+            # product leaves dx = ulp * rstd where it must be 0 (N = 1, constant rows).
+            g = tl.where(mask, dy * w[None, :], 0.0)
+        else:
+            g = dy
+        c2 = tl.div_rn(tl.sum(g * xhat, axis=1), N * 1.0)
+        if IS_RMS:
+            dx = (g - xhat * c2[:, None]) * rstd[:, None]
+        else:
+            c1 = tl.div_rn(tl.sum(g, axis=1), N * 1.0)
+            dx = (g - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows64 * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw_acc += dy * xhat
+        if NEED_DB:
+            db_acc += dy
+    if HAS_WEIGHT or NEED_DB:
+        _add_partial(partial_ptr, lock_ptr, count_ptr, slot, slot, cols, col_mask, tl.sum(dw_acc, axis=0),
+                     tl.sum(db_acc, axis=0), N,
+                     DETERMINISTIC, HAS_WEIGHT, NEED_DB)
+
+
+@triton.jit
+def _layer_norm_bwd_row_terms_kernel(
+    x_ptr,  # (M, N) forward input
+    dy_ptr,  # (M, N) upstream gradient
+    w_ptr,  # (N,) weight or dummy
+    mean_ptr,  # (M,) fp32 (unused for RMSNorm)
+    rstd_ptr,  # (M,) fp32
+    c1_ptr,  # (M,) fp32 out: mean over the row of g = dy * w
+    c2_ptr,  # (M,) fp32 out: mean over the row of g * xhat
+    M,
+    N,
+    stride_x_row,
+    stride_dy_row,
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Wide rows, step 1: the two row reductions dx needs, streamed over chunks of the row."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)[:, None]
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if not IS_RMS:
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+    cols = tl.arange(0, BLOCK_N)
+    c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        mask = row_mask[:, None] & (c[None, :] < N)
+        x = tl.load(x_ptr + rows64 * stride_x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(dy_ptr + rows64 * stride_dy_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            g = g * tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        c1 += tl.sum(g, axis=1)
+        c2 += tl.sum(g * xhat, axis=1)
+    tl.store(c1_ptr + rows, tl.div_rn(c1, N * 1.0), mask=row_mask)
+    tl.store(c2_ptr + rows, tl.div_rn(c2, N * 1.0), mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_columns_kernel(
+    x_ptr,  # (M, N) forward input
+    dy_ptr,  # (M, N) upstream gradient
+    dx_ptr,  # (M, N) output gradient
+    w_ptr,  # (N,) weight or dummy
+    mean_ptr,  # (M,) fp32 (unused for RMSNorm)
+    rstd_ptr,  # (M,) fp32
+    c1_ptr,  # (M,) fp32 from the row-terms kernel
+    c2_ptr,  # (M,) fp32
+    partial_ptr,  # (row_groups, 2, N) fp32: one exclusive slot per row group
+    M,
+    N,
+    stride_x_row,
+    stride_dy_row,
+    stride_dx_row,
+    rows_per_program,
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Wide rows, step 2: program (column block, row group) writes dx for its tile and sums dW/dB for its
+    columns over its rows in registers; one plain store per program (no lock: the slot is its own)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    row_start = tl.program_id(1) * rows_per_program
+    row_end = row_start + rows_per_program
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    # Accumulate a whole tile per row slot and reduce over rows once at the end: a tl.sum(axis=0) per
+    # iteration would cross warps (shared memory and a barrier) on every tile.
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_mask = (rows < row_end) & (rows < M)
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        c1 = tl.load(c1_ptr + rows, mask=row_mask, other=0.0)
+        c2 = tl.load(c2_ptr + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_WEIGHT:
+            g = tl.where(mask, dy * w[None, :], 0.0)
+        else:
+            g = dy
+        if IS_RMS:
+            dx = (g - xhat * c2[:, None]) * rstd[:, None]
+        else:
+            dx = (g - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows64 * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw_acc += dy * xhat
+        if NEED_DB:
+            db_acc += dy
+    slot = partial_ptr + tl.program_id(1).to(tl.int64) * 2 * N + cols
+    if HAS_WEIGHT:
+        tl.store(slot, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if NEED_DB:
+        tl.store(slot + N, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_dwdb_kernel(
+    partial_ptr,  # (slots, 2, N) fp32
+    dw_ptr,  # (N,) dW in the weight's dtype, or dummy
+    db_ptr,  # (N,) dB in the bias's dtype, or dummy
+    slots,
+    N,
+    NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Sum the buffers in slot order: a fixed order, so the result depends only on the buffers."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc_w = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
+    for s0 in range(0, slots, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        mask = (s[:, None] < slots) & col_mask[None, :]
+        base = partial_ptr + s.to(tl.int64)[:, None] * 2 * N + cols[None, :]
+        if NEED_DW:
+            acc_w += tl.load(base, mask=mask, other=0.0)
+        if NEED_DB:
+            acc_b += tl.load(base + N, mask=mask, other=0.0)
+    if NEED_DW:
+        tl.store(dw_ptr + cols, tl.sum(acc_w, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    if NEED_DB:
+        tl.store(db_ptr + cols, tl.sum(acc_b, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)

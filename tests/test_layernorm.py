@@ -1,0 +1,270 @@
+"""LayerNorm / RMSNorm: kernel vs twin vs torch for y, dx, dW, dB; layouts, dtypes, the lock scheme and
+the deterministic mode, modules and errors.
+
+Accuracy rule: error against a float64 reference at most 2x torch's own error in the same dtype plus a
+small atol (tests/_numerics.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import reference.layernorm as twin
+from kernels.layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
+from tests._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
+from tests._numerics import assert_no_worse_than_torch
+
+WIDTHS = by_mode(interpreter=[1, 2, 7, 64, 1000, 4097, 20000],
+                 cuda=[1, 2, 7, 64, 1000, 4097, 8192, 16384, 65536, 100000])
+HEIGHTS = by_mode(interpreter=[1, 3, 17], cuda=[1, 3, 4096, 65536])
+MAX_ELEMENTS = by_mode(interpreter=60_000, cuda=1 << 27)
+ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+
+
+def _shapes():
+    return [(m, n) for m in HEIGHTS for n in WIDTHS if m * n <= MAX_ELEMENTS]
+
+
+def _run(fn, x, params, dy):
+    """Forward and backward of ``fn(x, *params)``: returns (y, dx, *dparams)."""
+    x = x.detach().requires_grad_(True)
+    params = [p.detach().requires_grad_(True) if p is not None else None for p in params]
+    y = fn(x, *params)
+    grads = torch.autograd.grad(y, [x] + [p for p in params if p is not None], dy)
+    return (y.detach(), *grads)
+
+
+def _inputs(m, n, dtype, *, affine_dtype=None, with_bias=True):
+    affine_dtype = affine_dtype or dtype
+    x = (torch.randn(m, n, device=DEVICE) * 2 + 0.5).to(dtype)
+    w = (torch.rand(n, device=DEVICE) + 0.5).to(affine_dtype)
+    b = torch.randn(n, device=DEVICE).to(affine_dtype) if with_bias else None
+    dy = torch.randn(m, n, device=DEVICE).to(dtype)
+    return x, w, b, dy
+
+
+def _check_against_torch(kind, x, w, b, dy, eps):
+    """Ours vs torch in x's dtype (params cast to it: torch's CUDA kernels refuse mixed dtypes) vs float64."""
+    low = [p.to(x.dtype) if p is not None else None for p in (w, b)]
+    if kind == "layer":
+        ours = _run(lambda t, *p: layer_norm(t, t.shape[-1], *p, eps=eps), x, [w, b], dy)
+        theirs = _run(lambda t, *p: F.layer_norm(t, (t.shape[-1],), *p, eps=eps), x, low, dy)
+        ref = _run(lambda t, *p: F.layer_norm(t, (t.shape[-1],), *p, eps=eps), x.double(),
+                   [p.double() if p is not None else None for p in (w, b)], dy.double())
+    else:
+        ours = _run(lambda t, *p: rms_norm(t, t.shape[-1], *p, eps=eps), x, [w], dy)
+        theirs = _run(lambda t, *p: F.rms_norm(t, (t.shape[-1],), *p, eps=eps), x, low[:1], dy)
+        ref = _run(lambda t, *p: F.rms_norm(t, (t.shape[-1],), *p, eps=eps), x.double(),
+                   [w.double() if w is not None else None], dy.double())
+    names = ["y", "dx", "dw", "db"]
+    expected_dtypes = [x.dtype, x.dtype] + [p.dtype for p in (w, b) if p is not None]
+    atol = ATOL[x.dtype]
+    for name, o, t, r, dt in zip(names, ours, theirs, ref, expected_dtypes, strict=False):
+        assert o.dtype == dt, f"{name}: dtype {o.dtype}, expected {dt}"
+        # dW/dB sum over M rows: their absolute error grows with M.
+        slack = atol * (max(1, x.shape[0]) ** 0.5 if name in ("dw", "db") else 1)
+        assert_no_worse_than_torch(name, o, t, r, atol=slack)
+    return ours
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(("m", "n"), _shapes(), ids=str)
+def test_matches_torch_within_its_own_error(kind, dtype, m, n):
+    x, w, b, dy = _inputs(m, n, dtype)
+    _check_against_torch(kind, x, w, b if kind == "layer" else None, dy, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(("m", "n"), [(5, 7), (3, 1000), (2, 20000)], ids=str)
+def test_kernel_equals_twin(kind, m, n):
+    x, w, b, dy = _inputs(m, n, torch.float32)
+    if kind == "layer":
+        y, mean, rstd = twin.layer_norm_forward(x, w, b, 1e-5)
+        dx, dw, db = twin.layer_norm_backward(dy, x, w, mean, rstd)
+        ours = _run(lambda t, *p: layer_norm(t, n, *p), x, [w, b], dy)
+        expected = (y, dx, dw, db)
+    else:
+        y, rstd = twin.rms_norm_forward(x, w, 1e-6)
+        dx, dw = twin.rms_norm_backward(dy, x, w, rstd)
+        ours = _run(lambda t, *p: rms_norm(t, n, *p), x, [w], dy)
+        expected = (y, dx, dw)
+    for o, e in zip(ours, expected, strict=True):
+        torch.testing.assert_close(o, e.to(o.dtype), rtol=1e-4, atol=1e-4 * max(1, m) ** 0.5)
+
+
+def test_twin_backward_equals_autograd_in_float64():
+    x = torch.randn(6, 33, dtype=torch.float64)
+    w, b, dy = torch.randn(33, dtype=torch.float64), torch.randn(33, dtype=torch.float64), torch.randn_like(x)
+    _, mean, rstd = twin.layer_norm_forward(x, w, b, 1e-5)
+    auto = torch.autograd.grad(F.layer_norm(x.requires_grad_(), (33,), w.requires_grad_(), b.requires_grad_()),
+                               (x, w, b), dy)
+    for hand, ad in zip(twin.layer_norm_backward(dy, x, w, mean.double(), rstd.double()), auto, strict=True):
+        torch.testing.assert_close(hand.double(), ad, rtol=1e-6, atol=1e-6)
+    _, rstd = twin.rms_norm_forward(x, w, 1e-6)
+    auto = torch.autograd.grad(F.rms_norm(x, (33,), w, 1e-6), (x, w), dy)
+    for hand, ad in zip(twin.rms_norm_backward(dy, x, w, rstd.double()), auto, strict=True):
+        torch.testing.assert_close(hand.double(), ad, rtol=1e-6, atol=1e-6)
+
+
+def test_twin_grouped_reduction_equals_the_plain_sum():
+    dy, xhat = torch.randn(37, 9), torch.randn(37, 9)
+    dw, buffers = twin.grouped_weight_grad(dy, xhat, rows_per_program=4, group_size_m=3)
+    torch.testing.assert_close(dw, (dy * xhat).sum(0))
+    assert buffers.shape == (3, 9)
+
+
+@pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.float32], ids=str)
+def test_mixed_precision_fp32_affine_with_low_precision_input(dtype):
+    x, w, b, dy = _inputs(9, 300, dtype, affine_dtype=torch.float32)
+    y, _, dw, db = _check_against_torch("layer", x, w, b, dy, 1e-5)
+    assert y.dtype == dtype and dw.dtype == torch.float32 and db.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_no_weight_no_bias(kind):
+    x, _, _, dy = _inputs(7, 100, torch.float32)
+    _check_against_torch(kind, x, None, None, dy, 1e-5)
+    if kind == "layer":
+        x, w, _, dy = _inputs(7, 100, torch.float32)
+        _check_against_torch(kind, x, w, None, dy, 1e-5)
+
+
+def test_multi_dim_normalized_shape_and_leading_dims():
+    x = torch.randn(2, 3, 4, 5, device=DEVICE, requires_grad=True)
+    w = torch.randn(4, 5, device=DEVICE, requires_grad=True)
+    b = torch.randn(4, 5, device=DEVICE, requires_grad=True)
+    y = layer_norm(x, (4, 5), w, b)
+    y_ref = F.layer_norm(x, (4, 5), w, b)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    for a, r in zip(torch.autograd.grad(y, (x, w, b), dy), torch.autograd.grad(y_ref, (x, w, b), dy), strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
+        assert a.shape == r.shape
+
+
+def test_non_contiguous_input_and_row_strided_view():
+    base = torch.randn(40, 130, device=DEVICE)
+    for view in (base[:, :100], base.t()[:60], base[::2, 5:105]):
+        torch.testing.assert_close(layer_norm(view, view.shape[-1]), F.layer_norm(view, (view.shape[-1],)),
+                                   rtol=1e-5, atol=1e-5)
+    x = torch.randn(16, 64, device=DEVICE, requires_grad=True)
+    dy = torch.randn(64, 16, device=DEVICE).t()  # non-contiguous gradient
+    (dx,) = torch.autograd.grad(layer_norm(x, 64), x, dy)
+    (dx_ref,) = torch.autograd.grad(F.layer_norm(x, (64,)), x, dy)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_width_one_gives_bias_and_zero_dx():
+    x = torch.randn(5, 1, device=DEVICE, requires_grad=True)
+    w = torch.randn(1, device=DEVICE, requires_grad=True)
+    b = torch.randn(1, device=DEVICE, requires_grad=True)
+    y = layer_norm(x, 1, w, b)
+    torch.testing.assert_close(y, b.detach().expand(5, 1))
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(dx, torch.zeros_like(dx))
+
+
+def test_empty_batch():
+    x = torch.randn(0, 3, 8, device=DEVICE, requires_grad=True)
+    w = torch.ones(8, device=DEVICE, requires_grad=True)
+    y = layer_norm(x, 8, w)
+    assert y.shape == x.shape
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    assert dx.shape == x.shape and torch.equal(dw, torch.zeros_like(dw))
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(("m", "n"), by_mode(interpreter=[(33, 100), (5, 20000)],
+                                             cuda=[(4096, 1024), (4096, 16384), (1000, 100000)]), ids=str)
+def test_deterministic_mode_is_bitwise_reproducible(kind, m, n):
+    x, w, b, dy = _inputs(m, n, torch.float32)
+    fn = (lambda t, *p: layer_norm(t, n, *p, deterministic=True)) if kind == "layer" else (
+        lambda t, *p: rms_norm(t, n, *p, deterministic=True))
+    params = [w, b] if kind == "layer" else [w]
+    first = _run(fn, x, params, dy)
+    for _ in range(4):
+        again = _run(fn, x, params, dy)
+        for a, b_ in zip(first, again, strict=True):
+            assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize(("m", "n"), by_mode(interpreter=[(40, 64)], cuda=[(4096, 512), (4096, 4096), (2048, 20000)]),
+                         ids=str)
+def test_lock_mode_is_right_on_every_repeat(m, n):
+    """A missing barrier or lock shows up as a wrong dW on some run, not every run."""
+    x, w, b, dy = _inputs(m, n, torch.float32)
+    _, _, dw_ref, db_ref = _run(lambda t, *p: F.layer_norm(t, (n,), *p), x.double(), [w.double(), b.double()],
+                                dy.double())
+    for _ in range(by_mode(interpreter=2, cuda=50)):
+        _, _, dw, db = _run(lambda t, *p: layer_norm(t, n, *p), x, [w, b], dy)
+        torch.testing.assert_close(dw.double(), dw_ref, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(db.double(), db_ref, rtol=1e-4, atol=1e-3)
+
+
+def test_modules_are_drop_ins_with_the_same_state_dict():
+    torch_ln = torch.nn.LayerNorm((4, 6), eps=1e-6, device=DEVICE)
+    torch.nn.init.normal_(torch_ln.weight)
+    torch.nn.init.normal_(torch_ln.bias)
+    ours = LayerNorm((4, 6), eps=1e-6, device=DEVICE)
+    assert set(ours.state_dict()) == set(torch_ln.state_dict()) == {"weight", "bias"}
+    ours.load_state_dict(torch_ln.state_dict())
+    x = torch.randn(3, 4, 6, device=DEVICE)
+    torch.testing.assert_close(ours(x), torch_ln(x), rtol=1e-5, atol=1e-5)
+    assert repr(ours) == "LayerNorm((4, 6), eps=1e-06, elementwise_affine=True, bias=True)"
+    no_bias = LayerNorm(8, bias=False)
+    assert set(no_bias.state_dict()) == set(torch.nn.LayerNorm(8, bias=False).state_dict()) == {"weight"}
+    assert LayerNorm(8, elementwise_affine=False).state_dict() == {}
+
+    torch_rms = torch.nn.RMSNorm(6, device=DEVICE)
+    torch.nn.init.normal_(torch_rms.weight)
+    rms = RMSNorm(6, device=DEVICE)
+    rms.load_state_dict(torch_rms.state_dict())
+    torch.testing.assert_close(rms(x), torch_rms(x), rtol=1e-5, atol=1e-5)
+    assert repr(rms) == "RMSNorm((6,), eps=None, elementwise_affine=True)"
+    half = LayerNorm(8, dtype=torch.float16)
+    assert half.weight.dtype == torch.float16
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        layer_norm(x, 7)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        layer_norm(x, (2, 4, 8))
+    with pytest.raises(ValueError, match=r"weight must have shape \[8\]"):
+        layer_norm(x, 8, torch.ones(7, device=DEVICE))
+    with pytest.raises(ValueError, match=r"bias must have shape \[8\]"):
+        layer_norm(x, 8, None, torch.ones(9, device=DEVICE))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        layer_norm(torch.ones(4, 8, dtype=torch.int64, device=DEVICE), 8)
+    with pytest.raises(TypeError, match="weight must have dtype"):
+        layer_norm(x, 8, torch.ones(8, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="normalized_shape must be an int"):
+        rms_norm(x, "8")
+    with pytest.raises(ValueError, match="weight is on meta"):
+        layer_norm(x, 8, torch.ones(8, device="meta"))
+
+
+@pytest.mark.skipif(INTERPRETER, reason="registered-op checks run the GPU kernels")
+def test_registered_ops_pass_opcheck():
+    x = torch.randn(8, 32, device=DEVICE, requires_grad=True)
+    w = torch.randn(32, device=DEVICE, requires_grad=True)
+    b = torch.randn(32, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.fused_kernels.norm_fwd.default, (x, w, b, 1e-5, False, False))
+    torch.library.opcheck(torch.ops.fused_kernels.norm_fwd.default, (x, w, None, 1e-6, True, True))
+
+
+@pytest.mark.cuda
+def test_torch_compile_fullgraph_matches_eager():
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), LayerNorm(64), torch.nn.GELU(), RMSNorm(64)).cuda()
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    compiled = torch.compile(m, fullgraph=True)
+    y_eager, y_compiled = m(x), compiled(x)
+    torch.testing.assert_close(y_compiled, y_eager, rtol=1e-5, atol=1e-5)
+    g_eager = torch.autograd.grad(y_eager.sum(), [x, *m.parameters()])
+    g_compiled = torch.autograd.grad(y_compiled.sum(), [x, *m.parameters()])
+    for a, b in zip(g_eager, g_compiled, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
