@@ -1,15 +1,182 @@
-"""Pure-PyTorch twin of the attention kernels (not written yet: the attention family, issue 5)."""
+"""Pure-PyTorch twins of the attention kernels: naive attention, and FlashAttention-2's tiled forward and
+backward written out in torch, block by block, as the kernels will run them.
 
-_MESSAGE = "reference.attention.{} is not implemented yet (the attention family, issue 5)"
+Shapes: ``q (B, Hq, Sq, D)``, ``k, v (B, Hkv, Sk, D)`` with ``Hq % Hkv == 0`` (GQA/MQA: query head ``h``
+reads key/value head ``h // (Hq // Hkv)``). Computation in float32, or float64 for float64 inputs.
+
+**Masks.** Query ``i`` and key ``j`` are aligned bottom-right: ``i`` is treated as position
+``i + Sk - Sq``. ``causal`` keeps ``j <= i + Sk - Sq``; ``window_size = (left, right)`` keeps
+``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (-1: unbounded on that side). A query row that sees
+no key gets output 0 and log-sum-exp ``-inf``.
+
+**Online softmax (the FA2 forward).** For a query block, stream key blocks ``K_j, V_j``, keeping per row
+a running max ``m``, a running sum ``l`` and an unnormalised accumulator ``acc``:
+
+    s = Q K_jᵀ · scale;  m' = max(m, rowmax(s));  p = exp(s - m')
+    l = exp(m - m')·l + rowsum(p);  acc = exp(m - m')·acc + p V_j;  m = m'
+
+and at the end ``o = acc / l``, ``lse = m + log(l)``. Every block's contribution is rescaled by the
+same ``exp(m_old - m_new)`` factor, so the result equals ``softmax(s) V`` exactly in real arithmetic, with
+O(block) memory instead of O(Sq·Sk). The kernel does the same in base 2 (``exp2``, with ``log2(e)``
+folded into the scale); the twin stays in base e for readability.
+
+**Backward.** With ``P = exp(S·scale - lse)`` recomputed from the saved log-sum-exp and
+``delta = rowsum(dO ∘ O)``: ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP - delta)``,
+``dQ = dS K · scale``, ``dK = dSᵀ Q · scale``. (``rowsum(P ∘ dP) = rowsum(dO ∘ O)`` is what lets delta
+be computed once, from O.) dK/dV are accumulated per key block over query blocks and dQ per query
+block over key blocks, so no two blocks write the same output (deterministic); GQA sums dK/dV over the
+query heads of a group.
+
+Dependency rule: this file imports torch (and ``reference.dropout``, later) only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
 
 
-def attention(*args, **kwargs):
-    raise NotImplementedError(_MESSAGE.format("attention"))
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def flash_attention_forward(*args, **kwargs):
-    raise NotImplementedError(_MESSAGE.format("flash_attention_forward"))
+def _check_shapes(q, k, v) -> tuple[int, int]:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, H, S, D); got {q.dim()}, {k.dim()}, {v.dim()} dims")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and head dim")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
+    return q.shape[1] // k.shape[1], q.shape[3]
 
 
-def flash_attention_backward(*args, **kwargs):
-    raise NotImplementedError(_MESSAGE.format("flash_attention_backward"))
+def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv * group, S, D): each key/value head serves ``group`` query heads."""
+    return t.repeat_interleave(group, dim=1) if group > 1 else t
+
+
+def visible(sq: int, sk: int, *, causal: bool, window_size=(-1, -1), device=None) -> torch.Tensor:
+    """Boolean (Sq, Sk): which keys each query sees (bottom-right aligned causal mask and window)."""
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    left, right = window_size
+    if causal:
+        keep &= j <= i
+    if right >= 0:
+        keep &= j <= i + right
+    if left >= 0:
+        keep &= j >= i - left
+    return keep
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1)):
+    """Naive ``softmax(Q Kᵀ · scale) V`` with the kernel's masks; materialises the (Sq, Sk) scores."""
+    if dropout_p != 0.0:
+        raise NotImplementedError("dropout inside attention comes with the attention-extras issue")
+    group, d = _check_shapes(q, k, v)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    ct = _compute_dtype(q)
+    kf, vf = _expand_kv(k, group).to(ct), _expand_kv(v, group).to(ct)
+    s = torch.matmul(q.to(ct), kf.transpose(-1, -2)) * scale
+    keep = visible(q.shape[2], k.shape[2], causal=causal, window_size=window_size, device=q.device)
+    sees_some = keep.any(dim=-1, keepdim=True)
+    # A row that sees no key gets finite dummy scores, then weight 0: output 0 and gradient 0, not NaN.
+    s = torch.where(sees_some, s.masked_fill(~keep, float("-inf")), 0.0)
+    p = torch.softmax(s, dim=-1) * sees_some
+    return torch.matmul(p, vf).to(q.dtype)
+
+
+def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                            block_m: int = 64, block_n: int = 64):
+    """FA2 forward, tiled as the kernel runs it: returns ``(o, lse)``; ``lse`` is the natural-log
+    log-sum-exp per row, (B, Hq, Sq), float32 (float64 for float64 inputs)."""
+    group, d = _check_shapes(q, k, v)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    ct = _compute_dtype(q)
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    qf = q.to(ct)
+    kf, vf = _expand_kv(k, group).to(ct), _expand_kv(v, group).to(ct)
+    o = torch.zeros(b, hq, sq, d, dtype=ct, device=q.device)
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=ct, device=q.device)
+    keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
+    for m0 in range(0, sq, block_m):
+        rows = slice(m0, min(m0 + block_m, sq))
+        q_blk = qf[:, :, rows]
+        m = torch.full(q_blk.shape[:-1], float("-inf"), dtype=ct, device=q.device)
+        row_sum = torch.zeros_like(m)
+        acc = torch.zeros_like(q_blk)
+        for n0 in range(0, sk, block_n):
+            cols = slice(n0, min(n0 + block_n, sk))
+            block_keep = keep[rows, cols]
+            if not block_keep.any():  # the kernel skips such blocks (above the diagonal, outside the window)
+                continue
+            s = torch.matmul(q_blk, kf[:, :, cols].transpose(-1, -2)) * scale
+            s = s.masked_fill(~block_keep, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so exp() stays finite.
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)
+            row_sum = alpha * row_sum + p.sum(dim=-1)
+            acc = alpha[..., None] * acc + torch.matmul(p, vf[:, :, cols])
+            m = m_new
+        seen = row_sum > 0
+        safe_sum = torch.where(seen, row_sum, 1.0)
+        o[:, :, rows] = torch.where(seen[..., None], acc / safe_sum[..., None], 0.0)
+        lse[:, :, rows] = torch.where(seen, m + torch.log(safe_sum), float("-inf"))
+    return o.to(q.dtype), lse
+
+
+def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                             block_m: int = 64, block_n: int = 64):
+    """FA2 backward, tiled as the kernel runs it: returns ``(dq, dk, dv)`` in the inputs' dtypes."""
+    group, d = _check_shapes(q, k, v)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    ct = _compute_dtype(q)
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    qf, dof, of = q.to(ct), do.to(ct), o.to(ct)
+    kf, vf = _expand_kv(k, group).to(ct), _expand_kv(v, group).to(ct)
+    lse_f = lse.to(ct)
+    delta = (dof * of).sum(dim=-1)  # (B, Hq, Sq): the preprocess kernel
+    keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
+
+    def probabilities(rows, cols):
+        s = torch.matmul(qf[:, :, rows], kf[:, :, cols].transpose(-1, -2)) * scale
+        lse_rows = lse_f[:, :, rows, None]
+        p = torch.exp(s - torch.where(torch.isinf(lse_rows), 0.0, lse_rows))
+        return p.masked_fill(~keep[rows, cols], 0.0)
+
+    dk_full = torch.zeros(b, hq, sk, d, dtype=ct, device=q.device)
+    dv_full = torch.zeros_like(dk_full)
+    for n0 in range(0, sk, block_n):  # dK/dV: one key block owns its rows of dK and dV
+        cols = slice(n0, min(n0 + block_n, sk))
+        for m0 in range(0, sq, block_m):
+            rows = slice(m0, min(m0 + block_m, sq))
+            if not keep[rows, cols].any():
+                continue
+            p = probabilities(rows, cols)
+            dv_full[:, :, cols] += torch.matmul(p.transpose(-1, -2), dof[:, :, rows])
+            dp = torch.matmul(dof[:, :, rows], vf[:, :, cols].transpose(-1, -2))
+            ds = p * (dp - delta[:, :, rows, None])
+            dk_full[:, :, cols] += torch.matmul(ds.transpose(-1, -2), qf[:, :, rows]) * scale
+    dq = torch.zeros_like(qf)
+    for m0 in range(0, sq, block_m):  # dQ: one query block owns its rows of dQ
+        rows = slice(m0, min(m0 + block_m, sq))
+        for n0 in range(0, sk, block_n):
+            cols = slice(n0, min(n0 + block_n, sk))
+            if not keep[rows, cols].any():
+                continue
+            p = probabilities(rows, cols)
+            dp = torch.matmul(dof[:, :, rows], vf[:, :, cols].transpose(-1, -2))
+            ds = p * (dp - delta[:, :, rows, None])
+            dq[:, :, rows] += torch.matmul(ds, kf[:, :, cols]) * scale
+    hkv = k.shape[1]
+    dk = dk_full.reshape(b, hkv, group, sk, d).sum(dim=2)  # GQA: sum over the group's query heads
+    dv = dv_full.reshape(b, hkv, group, sk, d).sum(dim=2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

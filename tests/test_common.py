@@ -145,3 +145,45 @@ def test_draw_seed_follows_torch_manual_seed():
     assert first == again
     assert len(set(first)) == 3
     assert all(0 <= s < 2**64 for s in first)
+
+
+def _run_python(code: str, **env_overrides) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, **env_overrides}
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_reference_never_imports_kernels_or_triton():
+    """The twins must not share code with the kernels (DESIGN.md's dependency rule)."""
+    _run_python(
+        "import sys, reference\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('kernels', 'triton'))\n"
+        "assert not bad, bad\n"
+    )
+
+
+def test_cpu_tensors_without_the_interpreter_run_the_twins():
+    """DESIGN.md: CPU tensors run the reference twin unless TRITON_INTERPRET=1 was set before import."""
+    _run_python(
+        "import torch, torch.nn.functional as F\n"
+        "import reference.dropout as twin\n"
+        "from kernels.dropout import dropout\n"
+        "from kernels.layernorm import layer_norm, rms_norm\n"
+        "from kernels._common import INTERPRETER, backend_for\n"
+        "x = torch.randn(3, 50)\n"
+        "assert not INTERPRETER and backend_for(x) == 'reference'\n"
+        "assert torch.equal(dropout(x, 0.3, seed=5), twin.dropout(x, 0.3, seed=5))\n"
+        "xg = x.clone().requires_grad_(True)\n"
+        "y = layer_norm(xg, 50)\n"
+        "torch.testing.assert_close(y, F.layer_norm(x, (50,)))\n"
+        "y.sum().backward()\n"
+        "torch.testing.assert_close(rms_norm(x, 50), F.rms_norm(x, (50,), eps=1e-6))\n",
+        TRITON_INTERPRET="0",
+    )
