@@ -1,6 +1,8 @@
 """Attention: the pure-PyTorch twins (naive attention and the FA2 tiled forward/backward) against each
-other and against torch in float64. The Triton kernels' tests join these when the kernels land
-(the public ``kernels.attention`` functions raise NotImplementedError until then)."""
+other and against torch in float64, and the Triton kernels against both.
+
+Kernel accuracy rule: error against float64 at most 2x the error of torch computing the same attention
+in the input's dtype, plus a small atol (tests/_numerics.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import reference.attention as twin
+from kernels.attention import flash_attention
+from tests._mode import DEVICE, FLOAT_DTYPES, by_mode
+from tests._numerics import assert_no_worse_than_torch
 
 F64 = torch.float64
 
@@ -136,8 +141,121 @@ def test_twin_shape_errors():
         twin.attention(*_qkv(1, 2, 2, 4, 4, 8)[:2], v[:, :, :3])
 
 
-def test_public_kernel_api_says_it_is_not_there_yet():
-    from kernels.attention import flash_attention
+# --- the Triton kernels ------------------------------------------------------------------------------
 
-    with pytest.raises(NotImplementedError, match="issue 5"):
-        flash_attention(*_qkv(1, 1, 1, 4, 4, 8))
+KERNEL_CASES = by_mode(
+    interpreter=[(1, 1, 1, 1, 1, 16), (2, 4, 2, 17, 33, 16), (1, 2, 1, 70, 70, 40), (1, 2, 2, 100, 37, 8),
+                 (1, 1, 1, 65, 130, 64)],
+    cuda=[(b, hq, hkv, sq, sk, d) for (b, hq, hkv) in ((2, 4, 4), (1, 4, 1)) for (sq, sk) in
+          ((1, 1), (17, 17), (128, 128), (200, 200), (1000, 1000), (200, 77), (77, 1000))
+          for d in (16, 40, 64, 80, 128, 256)],
+)
+ATTN_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+
+
+def _low_precision_attention(q, k, v, causal):
+    """torch in the input dtype (scores, P and PV in that dtype; softmax in fp32), as a peer's error."""
+    group = q.shape[1] // k.shape[1]
+    kx, vx = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ kx.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]))
+    keep = twin.visible(q.shape[2], k.shape[2], causal=causal, device=q.device)
+    sees = keep.any(dim=-1, keepdim=True)
+    s = torch.where(sees, s.masked_fill(~keep, float("-inf")), 0.0)
+    p = (torch.softmax(s.float(), dim=-1) * sees).to(q.dtype)
+    return p @ vx
+
+
+def _grads(fn, q, k, v, do):
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_kernel_within_twice_torchs_own_error(case, causal, dtype):
+    q, k, v = (t.to(DEVICE, dtype) for t in _qkv(*case, dtype=torch.float32))
+    do = torch.randn_like(q)
+    ours = _grads(lambda a, b, c: flash_attention(a, b, c, causal=causal), q, k, v, do)
+    peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, causal), q, k, v, do)
+    ref = _grads(lambda a, b, c: twin.attention(a, b, c, causal=causal), q.double(), k.double(), v.double(),
+                 do.double())
+    for name, o, t, r in zip(("o", "dq", "dk", "dv"), ours, peer, ref, strict=True):
+        assert o.dtype == dtype and o.shape == r.shape, name
+        assert_no_worse_than_torch(name, o, t, r, atol=ATTN_ATOL[dtype])
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES[:4], ids=str)
+def test_kernel_lse_equals_the_twin(case):
+    q, k, v = (t.to(DEVICE, torch.float32) for t in _qkv(*case, dtype=torch.float32))
+    _, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    _, expected = twin.flash_attention_forward(q, k, v, causal=True)
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(lse[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rows_that_see_no_key():
+    q, k, v = (t.to(DEVICE, torch.float32) for t in _qkv(1, 2, 1, 9, 4, 16, dtype=torch.float32))
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)  # rows 0..4 see nothing
+    assert torch.equal(o[:, :, :5], torch.zeros_like(o[:, :, :5]))
+    assert (lse[:, :, :5] == float("-inf")).all() and torch.isfinite(lse[:, :, 5:]).all()
+    q.requires_grad_(True)
+    (dq,) = torch.autograd.grad(flash_attention(q, k, v, causal=True).sum(), q)
+    assert torch.equal(dq[:, :, :5], torch.zeros_like(dq[:, :, :5])) and torch.isfinite(dq).all()
+
+
+def test_kernel_accepts_bshd_views_and_custom_scale():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 37, 3, 16, generator=g).to(DEVICE) for _ in range(3))  # (B, S, H, D)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    assert not qt.is_contiguous()
+    out = flash_attention(qt, kt, vt, causal=True, softmax_scale=0.3)
+    expected = twin.attention(qt, kt, vt, causal=True, softmax_scale=0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("d", by_mode(interpreter=[8, 33], cuda=[8, 33, 96, 160, 192, 512]))
+def test_kernel_head_dims_that_are_not_powers_of_two(d):
+    q, k, v = (t.to(DEVICE) for t in _qkv(1, 2, 2, 19, 23, d, dtype=torch.float32))
+    torch.testing.assert_close(flash_attention(q, k, v), twin.attention(q, k, v), rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_bad_inputs():
+    q, k, v = (t.to(DEVICE, torch.float32) for t in _qkv(1, 4, 2, 8, 8, 16, dtype=torch.float32))
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        flash_attention(q[0], k, v)
+    with pytest.raises(TypeError, match="one dtype"):
+        flash_attention(q.half(), k, v)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        flash_attention(q.double(), k.double(), v.double())
+    with pytest.raises(ValueError, match="same shape"):
+        flash_attention(q, k, v[:, :, :5])
+    with pytest.raises(ValueError, match="batch size"):
+        flash_attention(torch.cat([q, q]), k, v)
+    with pytest.raises(ValueError, match="head dim"):
+        flash_attention(q[..., :8], k, v)
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        flash_attention(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="v is on meta"):
+        flash_attention(q, k, v.to("meta"))
+    with pytest.raises(NotImplementedError, match="attention-extras"):
+        flash_attention(q, k, v, dropout_p=0.1)
+
+
+@pytest.mark.cuda
+def test_kernel_long_sequence_and_large_head_dim():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(4, 1, 1024, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = flash_attention(q, q, q, causal=True)
+    ref = twin.attention(q.float(), q.float(), q.float(), causal=True)
+    torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
+    long = torch.randn(1, 2, 16384, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    long.requires_grad_(True)
+    flash_attention(long, long, long, causal=True).sum().backward()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra < 64 * long.numel() * long.element_size()  # O(S) buffers, nowhere near an S x S one

@@ -1,0 +1,97 @@
+"""Attention benchmarks: ours vs SDPA's flash, cuDNN and efficient backends (each forced with
+``sdpa_kernel``), FlexAttention (``torch.compile(flex_attention)``, causal through a block mask) and naive
+attention (short sequences only). Points of TARGETS.md: B * S = 16k tokens, H * D = 2048,
+D in {64, 128}, S in {1024, 4096, 16384}, causal on/off, fp16 and bf16.
+
+FLOPs: forward 4 * B * H * Sq * Sk * D (halved when causal), backward 2.5x the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import reference.attention as twin
+from benchmarks._harness import SMOKE
+from kernels.attention import flash_attention
+from tests._mode import DEVICE
+
+PROVIDERS = ["ours", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "naive"]
+
+
+def _points():
+    if SMOKE:
+        return [(2, 2, 32, 16, torch.float32)]
+    return [(16384 // s, 2048 // d, s, d, dt) for dt in (torch.float16, torch.bfloat16) for d in (64, 128)
+            for s in (1024, 4096, 16384)]
+
+
+@functools.cache
+def _flex(s: int, causal: bool):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask = create_block_mask(lambda b, h, q, kv: q >= kv, B=None, H=None, Q_LEN=s, KV_LEN=s) if causal else None
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v: compiled(q, k, v, block_mask=mask)
+
+
+def _provider_fn(provider: str, s: int, causal: bool):
+    if provider == "ours":
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if provider == "naive":
+        if s > 4096:
+            pytest.skip("naive attention materialises S x S scores: short sequences only")
+        return lambda q, k, v: twin.attention(q, k, v, causal=causal)
+    if SMOKE:
+        pytest.skip(f"{provider} needs a GPU")
+    if provider == "flex":
+        return _flex(s, causal)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[provider]
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("b", "h", "s", "d", "dtype"), _points(), ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_attention(measure, provider, b, h, s, d, dtype, causal, direction):
+    fn = _provider_fn(provider, s, causal)
+    q, k, v = (torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for _ in range(3))
+    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    try:
+        if direction == "fwd":
+            fn(q, k, v)
+            run = functools.partial(fn, q, k, v)
+            grad_to_none = None
+        else:
+            for t in (q, k, v):
+                t.requires_grad_(True)
+            out = fn(q, k, v)
+            do = torch.randn_like(out)
+            run = lambda: out.backward(do, retain_graph=True)
+            grad_to_none = [q, k, v]
+            flops *= 2.5
+    except RuntimeError as err:  # an SDPA backend that refuses this shape or dtype
+        pytest.skip(f"{provider} cannot run this point: {str(err).splitlines()[0][:120]}")
+    measure(
+        run,
+        grad_to_none=grad_to_none,
+        family="attention",
+        provider=provider,
+        direction=direction,
+        dtype=dtype,
+        shape={"B": b, "H": h, "S": s, "D": d, "causal": causal},
+        x_key="S",
+        flops=flops,
+    )
