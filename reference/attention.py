@@ -146,35 +146,31 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale
     delta = (dof * of).sum(dim=-1)  # (B, Hq, Sq): the preprocess kernel
     keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
 
-    def probabilities(rows, cols):
+    def p_and_ds(rows, cols):
+        """P recomputed from the saved log-sum-exp, and dS = P * (dO V^T - delta), for one tile."""
         s = torch.matmul(qf[:, :, rows], kf[:, :, cols].transpose(-1, -2)) * scale
         lse_rows = lse_f[:, :, rows, None]
         p = torch.exp(s - torch.where(torch.isinf(lse_rows), 0.0, lse_rows))
-        return p.masked_fill(~keep[rows, cols], 0.0)
+        p = p.masked_fill(~keep[rows, cols], 0.0)
+        dp = torch.matmul(dof[:, :, rows], vf[:, :, cols].transpose(-1, -2))
+        return p, p * (dp - delta[:, :, rows, None])
+
+    def tiles(outer_len, inner_len, outer_block, inner_block):
+        for o0 in range(0, outer_len, outer_block):
+            for i0 in range(0, inner_len, inner_block):
+                yield slice(o0, min(o0 + outer_block, outer_len)), slice(i0, min(i0 + inner_block, inner_len))
 
     dk_full = torch.zeros(b, hq, sk, d, dtype=ct, device=q.device)
     dv_full = torch.zeros_like(dk_full)
-    for n0 in range(0, sk, block_n):  # dK/dV: one key block owns its rows of dK and dV
-        cols = slice(n0, min(n0 + block_n, sk))
-        for m0 in range(0, sq, block_m):
-            rows = slice(m0, min(m0 + block_m, sq))
-            if not keep[rows, cols].any():
-                continue
-            p = probabilities(rows, cols)
+    for cols, rows in tiles(sk, sq, block_n, block_m):  # a key block owns its rows of dK and dV
+        if keep[rows, cols].any():
+            p, ds = p_and_ds(rows, cols)
             dv_full[:, :, cols] += torch.matmul(p.transpose(-1, -2), dof[:, :, rows])
-            dp = torch.matmul(dof[:, :, rows], vf[:, :, cols].transpose(-1, -2))
-            ds = p * (dp - delta[:, :, rows, None])
             dk_full[:, :, cols] += torch.matmul(ds.transpose(-1, -2), qf[:, :, rows]) * scale
     dq = torch.zeros_like(qf)
-    for m0 in range(0, sq, block_m):  # dQ: one query block owns its rows of dQ
-        rows = slice(m0, min(m0 + block_m, sq))
-        for n0 in range(0, sk, block_n):
-            cols = slice(n0, min(n0 + block_n, sk))
-            if not keep[rows, cols].any():
-                continue
-            p = probabilities(rows, cols)
-            dp = torch.matmul(dof[:, :, rows], vf[:, :, cols].transpose(-1, -2))
-            ds = p * (dp - delta[:, :, rows, None])
+    for rows, cols in tiles(sq, sk, block_m, block_n):  # a query block owns its rows of dQ
+        if keep[rows, cols].any():
+            _, ds = p_and_ds(rows, cols)
             dq[:, :, rows] += torch.matmul(ds, kf[:, :, cols]) * scale
     hkv = k.shape[1]
     dk = dk_full.reshape(b, hkv, group, sk, d).sum(dim=2)  # GQA: sum over the group's query heads
