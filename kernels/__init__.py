@@ -6,3 +6,11 @@ Import one family at a time: ``kernels.dropout``, ``kernels.layernorm``, ``kerne
 """
 
 __version__ = "0.1.0"
+
+
+def replace_modules(model, **kwargs):
+    """Swap ``nn.LayerNorm``/``nn.RMSNorm``/``nn.Dropout`` inside ``model`` for the fused ones, in place
+    (see :func:`kernels.swap.replace_modules`)."""
+    from kernels.swap import replace_modules as _replace_modules
+
+    return _replace_modules(model, **kwargs)
