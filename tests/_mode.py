@@ -32,11 +32,6 @@ else:
 INTERPRETER: bool = MODE == "interpreter"
 DEVICE: str = "cpu" if INTERPRETER else "cuda"
 
-if not INTERPRETER:
-    # The attention kernels refuse CUDA tensors until a GPU run has verified them (kernels/attention/ops.py);
-    # the CUDA test suite is that run.
-    os.environ.setdefault("FUSED_KERNELS_ALLOW_UNVERIFIED", "1")
-
 if INTERPRETER:
     if "triton" in sys.modules and not _interpret_env:
         raise RuntimeError(

@@ -4,15 +4,13 @@ Eager calls run ``_FlashAttentionFunction``; under torch.compile ``flash_attenti
 registered ops ``fused_kernels::flash_attn_fwd`` / ``flash_attn_bwd``, which share the implementation.
 CPU tensors without the Triton interpreter run the twin ``reference.attention``.
 
-**Not yet verified on a GPU.** These kernels pass the interpreter tests against the twin, but no GPU run
-has compiled or timed them yet, so CUDA tensors are refused unless ``FUSED_KERNELS_ALLOW_UNVERIFIED=1``
-is set (the CUDA test mode sets it). The session that verifies them on the GPU removes this guard.
+Launch configurations come from tables by head dim and dtype (``_CONFIGS`` and below), chosen by
+``scripts/sweep_attention.py`` on the H200; the README records the sweep.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch.library import triton_op
@@ -36,18 +34,79 @@ from kernels.attention._kernels import (
 
 _MAX_HEAD_DIM = 1024
 
+# Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, for 16-bit inputs
+# and for fp32 (twice the bytes per tile, IEEE dots). BLOCK_M is the query block and BLOCK_N the key
+# block in every kernel. See the README's performance notes for how these were chosen.
+_CONFIGS = {
+    "fwd": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 2), 256: (32, 32, 4, 2)},
+    "dq": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (32, 32, 4, 2)},
+}
+_FP32_CONFIG = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (32, 32, 4, 2), 256: (32, 16, 4, 1)}
+# Head dims above 256 (up to 1024): small blocks so that the tiles fit in shared memory.
+_WIDE_CONFIGS = {"fwd": (32, 64, 8, 1), "dkdv": (16, 16, 8, 2), "dq": (16, 32, 8, 1)}
+_WIDE_FP32_CONFIG = (16, 16, 8, 1)
+# fp32 backward tiles above this padded head dim do not fit in shared memory even at 16 x 16 (measured on
+# the H200: 256 KiB asked for D = 1024); that backward runs the tiled twin on the GPU instead (correct, slow).
+_FP32_MAX_KERNEL_BWD_DIM = 512
 
-def _blocks(d: int) -> dict:
-    block_d = max(16, 1 << (d - 1).bit_length())
-    if block_d <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": block_d, "num_warps": 4}
-    if block_d <= 256:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": block_d, "num_warps": 8}
-    return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": block_d, "num_warps": 8}  # the slow, correct path
+
+def _block_d(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _config(kernel: str, d: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of ``kernel`` ("fwd", "dkdv" or "dq") for head dim ``d``."""
+    block_d = _block_d(d)
+    if block_d > 256:
+        block_m, block_n, warps, stages = _WIDE_FP32_CONFIG if dtype == torch.float32 else _WIDE_CONFIGS[kernel]
+    elif dtype == torch.float32:
+        block_m, block_n, warps, stages = _FP32_CONFIG[block_d]
+    else:
+        block_m, block_n, warps, stages = _CONFIGS[kernel][block_d]
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "EVEN_D": d == block_d,
+            "num_warps": warps, "num_stages": stages}
 
 
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _launch_fwd(q, k, v, o, lse, causal: bool, scale: float, cfg: dict, *, traceable=False):
+    b, hq, sq, d = q.shape
+    grid = (cdiv(sq, cfg["BLOCK_M"]), b * hq)
+    kernel_for(_attn_fwd_kernel, traceable=traceable)[grid](
+        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        hq, hq // k.shape[1], sq, k.shape[2], d, scale * 1.4426950408889634,
+        CAUSAL=causal, DOT_PRECISION=_precision(q.dtype), **cfg,
+    )
+
+
+def _launch_bwd_preprocess(o, do, delta, *, traceable=False):
+    b, hq, sq, d = o.shape
+    block_d = _block_d(d)
+    block_m = max(16, min(128, 8192 // block_d))
+    kernel_for(_attn_bwd_preprocess_kernel, traceable=traceable)[(cdiv(sq, block_m), b * hq)](
+        o, do, delta, *o.stride(), *do.stride(), hq, sq, d, BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=d == block_d,
+    )
+
+
+def _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, cfg: dict, *, traceable=False):
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    kernel_for(_attn_bwd_dkdv_kernel, traceable=traceable)[(cdiv(sk, cfg["BLOCK_N"]), b * hkv)](
+        q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        hq, hkv, hq // hkv, sq, sk, d, scale, CAUSAL=causal, DOT_PRECISION=_precision(q.dtype), **cfg,
+    )
+
+
+def _launch_bwd_dq(do, q, k, v, lse, delta, dq, causal: bool, scale: float, cfg: dict, *, traceable=False):
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    kernel_for(_attn_bwd_dq_kernel, traceable=traceable)[(cdiv(sq, cfg["BLOCK_M"]), b * hq)](
+        q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        hq, hq // hkv, sq, sk, d, scale, CAUSAL=causal, DOT_PRECISION=_precision(q.dtype), **cfg,
+    )
 
 
 def _fwd_impl(q, k, v, causal: bool, scale: float, *, traceable=False):
@@ -61,40 +120,27 @@ def _fwd_impl(q, k, v, causal: bool, scale: float, *, traceable=False):
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
-    cfg = _blocks(d)
-    grid = (cdiv(sq, cfg["BLOCK_M"]), b * hq)
-    kernel_for(_attn_fwd_kernel, traceable=traceable)[grid](
-        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        hq, hq // k.shape[1], sq, k.shape[2], d, scale * 1.4426950408889634,
-        CAUSAL=causal, DOT_PRECISION=_precision(q.dtype), **cfg,
-    )
+    _launch_fwd(q, k, v, o, lse, causal, scale, _config("fwd", d, q.dtype), traceable=traceable)
     return o, lse
 
 
 def _bwd_impl(do, q, k, v, o, lse, causal: bool, scale: float, *, traceable=False):
-    if backend_for(q) == "reference":
+    if backend_for(q) == "reference" or (q.dtype == torch.float32 and _block_d(q.shape[3]) > _FP32_MAX_KERNEL_BWD_DIM):
         return twin.flash_attention_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    dq = torch.zeros((b, hq, sq, d), device=q.device, dtype=q.dtype)
-    dk = torch.zeros((b, hkv, sk, d), device=q.device, dtype=k.dtype)
-    dv = torch.zeros((b, hkv, sk, d), device=q.device, dtype=v.dtype)
     if nothing_to_launch(q) or sk == 0:
-        return dq, dk, dv
-    cfg = _blocks(d)
+        return (torch.zeros((b, hq, sq, d), device=q.device, dtype=q.dtype),
+                torch.zeros((b, hkv, sk, d), device=q.device, dtype=k.dtype),
+                torch.zeros((b, hkv, sk, d), device=q.device, dtype=v.dtype))
+    dq = torch.empty((b, hq, sq, d), device=q.device, dtype=q.dtype)
+    dk = torch.empty((b, hkv, sk, d), device=q.device, dtype=k.dtype)
+    dv = torch.empty((b, hkv, sk, d), device=q.device, dtype=v.dtype)
     delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
-    kernel_for(_attn_bwd_preprocess_kernel, traceable=traceable)[(cdiv(sq, cfg["BLOCK_M"]), b * hq)](
-        o, do, delta, *o.stride(), *do.stride(), hq, sq, d, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"],
-    )
-    common = dict(CAUSAL=causal, DOT_PRECISION=_precision(q.dtype), **cfg)
-    kernel_for(_attn_bwd_dkdv_kernel, traceable=traceable)[(cdiv(sk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        hq, hkv, hq // hkv, sq, sk, d, scale, **common,
-    )
-    kernel_for(_attn_bwd_dq_kernel, traceable=traceable)[(cdiv(sq, cfg["BLOCK_M"]), b * hq)](
-        q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        hq, hq // hkv, sq, sk, d, scale, **common,
-    )
+    _launch_bwd_preprocess(o, do, delta, traceable=traceable)
+    _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, causal, scale, _config("dkdv", d, q.dtype),
+                     traceable=traceable)
+    _launch_bwd_dq(do, q, k, v, lse, delta, dq, causal, scale, _config("dq", d, q.dtype), traceable=traceable)
     return dq, dk, dv
 
 
@@ -183,11 +229,6 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
         raise NotImplementedError("dropout_p > 0 inside attention comes with the attention-extras issue")
     if tuple(window_size) != (-1, -1):
         raise NotImplementedError("window_size comes with the attention-extras issue")
-    if q.device.type == "cuda" and os.environ.get("FUSED_KERNELS_ALLOW_UNVERIFIED") != "1":
-        raise NotImplementedError(
-            "kernels.attention has passed its interpreter tests but has not been verified on a GPU yet; "
-            "set FUSED_KERNELS_ALLOW_UNVERIFIED=1 to run it anyway"
-        )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     if torch.compiler.is_compiling():
         o, lse = torch.ops.fused_kernels.flash_attn_fwd(q, k, v, bool(causal), scale)

@@ -1,0 +1,136 @@
+# ruff: noqa: B023  (each lambda is timed immediately, inside the iteration that defines it)
+"""Attention launch-config sweep on the GPU: each kernel timed alone, beside SDPA's flash and cuDNN
+backends in the same run, at the points of TARGETS.md (B * S = 16k tokens, H * D = 2048).
+
+    python3 scripts/sweep_attention.py [--dtype float16] [--out sweep.jsonl]
+
+For every point, times the forward kernel and the two main backward kernels (dK/dV, dQ) over a list of
+(BLOCK_M, BLOCK_N, num_warps, num_stages) configurations, plus the preprocess kernel. Prints the best
+configuration per kernel and the TFLOP/s of forward and backward built from the best ones, against
+SDPA-flash and cuDNN. Configurations that do not fit (shared memory, registers) are reported and skipped.
+Chooses the tables in ``kernels/attention/ops.py``; the numbers go to the family README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import kernels.attention.ops as ops
+
+FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4),
+       (64, 128, 4, 3), (128, 64, 4, 4)]
+DKDV = [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3),
+        (64, 128, 8, 2), (16, 128, 4, 4)]
+DQ = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2),
+      (64, 64, 8, 3)]
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def cfg_of(block_m, block_n, warps, stages, d):
+    block_d = ops._block_d(d)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "EVEN_D": d == block_d,
+            "num_warps": warps, "num_stages": stages}
+
+
+def sweep(label, configs, d, run):
+    rows = []
+    for c in configs:
+        try:
+            ms = bench(lambda: run(cfg_of(*c, d)))
+        except Exception as err:  # out of resources and the like: report, go on
+            print(f"    {label} {c}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+            continue
+        rows.append((ms, c))
+    rows.sort()
+    return rows
+
+
+def sdpa_times(q, k, v, causal, backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def fwd():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    try:
+        fwd_ms = bench(fwd)
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+        do = torch.randn_like(out)
+        bwd_ms = bench(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True))
+    except RuntimeError:
+        return None, None
+    return fwd_ms, bwd_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--out", default="sweep_attention.jsonl")
+    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--seqs", default="1024,4096,16384")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    from torch.nn.attention import SDPBackend
+
+    print(torch.cuda.get_device_name(), torch.__version__, args.dtype)
+    with open(args.out, "w") as log:
+        for d in (int(x) for x in args.dims.split(",")):
+            for s in (int(x) for x in args.seqs.split(",")):
+                for causal in (False, True):
+                    b, h = 16384 // s, 2048 // d
+                    q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(4))
+                    scale = 1 / math.sqrt(d)
+                    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+                    o = torch.empty_like(q)
+                    lse = torch.empty((b, h, s), device="cuda", dtype=torch.float32)
+                    fwd = sweep("fwd", FWD, d, lambda c: ops._launch_fwd(q, k, v, o, lse, causal, scale, c))
+                    ops._launch_fwd(q, k, v, o, lse, causal, scale, ops._config("fwd", d, dtype))
+                    delta = torch.empty_like(lse)
+                    pre_ms = bench(lambda: ops._launch_bwd_preprocess(o, do, delta))
+                    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                    dkdv = sweep("dkdv", DKDV, d,
+                                 lambda c: ops._launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, causal, scale, c))
+                    dqr = sweep("dq", DQ, d,
+                                lambda c: ops._launch_bwd_dq(do, q, k, v, lse, delta, dq, causal, scale, c))
+                    flash = sdpa_times(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
+                    cudnn = sdpa_times(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
+
+                    def tf(ms, mult=1.0):
+                        return None if ms is None else flops * mult / ms / 1e9
+
+                    bwd_ms = pre_ms + dkdv[0][0] + dqr[0][0]
+                    rec = {
+                        "D": d, "S": s, "causal": causal, "dtype": args.dtype,
+                        "fwd_best": fwd[0][1], "fwd_tflops": tf(fwd[0][0]),
+                        "fwd_all": [(c, round(tf(ms), 1)) for ms, c in fwd],
+                        "dkdv_best": dkdv[0][1], "dkdv_ms": dkdv[0][0],
+                        "dkdv_all": [(c, round(ms, 4)) for ms, c in dkdv],
+                        "dq_best": dqr[0][1], "dq_ms": dqr[0][0], "dq_all": [(c, round(ms, 4)) for ms, c in dqr],
+                        "pre_ms": pre_ms, "bwd_tflops": tf(bwd_ms, 2.5),
+                        "flash": [tf(flash[0]), tf(flash[1], 2.5)], "cudnn": [tf(cudnn[0]), tf(cudnn[1], 2.5)],
+                    }
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                    fl = rec["flash"]
+                    print(f"D={d:3} S={s:5} causal={causal!s:5}  fwd {rec['fwd_tflops']:5.0f} {fwd[0][1]}"
+                          f"  bwd {rec['bwd_tflops']:5.0f} (dkdv {dkdv[0][1]} {dkdv[0][0]:.3f} ms,"
+                          f" dq {dqr[0][1]} {dqr[0][0]:.3f} ms, pre {pre_ms:.3f} ms)"
+                          f"  flash {fl[0] or 0:5.0f}/{fl[1] or 0:5.0f}"
+                          f"  cudnn {rec['cudnn'][0] or 0:5.0f}/{rec['cudnn'][1] or 0:5.0f}"
+                          f"  ratio fwd {rec['fwd_tflops'] / (fl[0] or math.inf):.2f}"
+                          f" bwd {rec['bwd_tflops'] / (fl[1] or math.inf):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
