@@ -30,7 +30,7 @@ def _points():
 
 
 @functools.cache
-def _flex(s: int, causal: bool):
+def _flex(s: int, causal: bool, window: int = -1):
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -39,7 +39,13 @@ def _flex(s: int, causal: bool):
     # scores: the fused kernel is what we measure.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)
-    mask = create_block_mask(lambda b, h, q, kv: q >= kv, B=None, H=None, Q_LEN=s, KV_LEN=s) if causal else None
+    if window >= 0:  # causal sliding window: query i sees keys i - window ... i
+        mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= window), B=None, H=None, Q_LEN=s,
+                                 KV_LEN=s)
+    elif causal:
+        mask = create_block_mask(lambda b, h, q, kv: q >= kv, B=None, H=None, Q_LEN=s, KV_LEN=s)
+    else:
+        mask = None
     compiled = torch.compile(flex_attention, dynamic=False)
     return lambda q, k, v: compiled(q, k, v, block_mask=mask)
 
@@ -92,3 +98,48 @@ def test_attention(measure, provider, b, h, s, d, dtype, causal, direction):
         x_key="S",
         flops=flops,
     )
+
+
+WINDOW = 1024
+
+
+def _visible_pairs(s: int, window: int) -> int:
+    """(query, key) pairs a causal band of ``window`` keys before each query keeps (window < 0: all causal)."""
+    if window < 0:
+        return s * (s + 1) // 2
+    return sum(min(i, window) + 1 for i in range(s))
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize(("b", "h", "s", "d", "dtype"),
+                         [(2, 2, 64, 16, torch.float32)] if SMOKE else
+                         [(1, 2048 // d, 16384, d, dt) for dt in (torch.float16, torch.bfloat16) for d in (64, 128)],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("provider", ["ours", "ours-full-causal", "flex"])
+def test_attention_sliding_window(measure, provider, b, h, s, d, dtype, direction):
+    """Causal sliding window (each query sees itself and the WINDOW keys before it) against our own full
+    causal attention at the same S and FlexAttention with a sliding-window block mask. FLOPs count the
+    visible pairs only, so TFLOP/s compares work rates and the ms column the wall-clock gain."""
+    window = min(WINDOW, s // 4)
+    if provider == "flex" and SMOKE:
+        pytest.skip("flex needs a GPU")
+    if provider == "ours":
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=True, window_size=(window, 0))
+    elif provider == "ours-full-causal":
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=True)
+    else:
+        fn = _flex(s, True, window)
+    q, k, v = (torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for _ in range(3))
+    flops = 4.0 * b * h * d * _visible_pairs(s, -1 if provider == "ours-full-causal" else window)
+    if direction == "fwd":
+        fn(q, k, v)
+        run, grad_to_none = functools.partial(fn, q, k, v), None
+    else:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        out = fn(q, k, v)
+        do = torch.randn_like(out)
+        run, grad_to_none = (lambda: out.backward(do, retain_graph=True)), [q, k, v]
+        flops *= 2.5
+    measure(run, grad_to_none=grad_to_none, family="attention-window", provider=provider, direction=direction,
+            dtype=dtype, shape={"B": b, "H": h, "S": s, "D": d, "window": window}, x_key="D", flops=flops)

@@ -27,7 +27,17 @@ be computed once, from O.) dK/dV are accumulated per key block over query blocks
 block over key blocks, so no two blocks write the same output (deterministic); GQA sums dK/dV over the
 query heads of a group.
 
-Dependency rule: this file imports torch (and ``reference.dropout``, later) only.
+**Dropout on the probabilities.** With ``dropout_p > 0`` the normalised probabilities are dropped and
+rescaled, ``Pd = P ∘ Z / (1 - p)``, and ``O = Pd V``; the log-sum-exp is that of the undropped scores.
+The keep mask ``Z`` comes from the dropout family's Philox4x32-10 (``reference.dropout.philox4x32``):
+probability ``(b, h, i, j)`` (query head ``h``, query ``i``, key ``j``) takes word ``j mod 4`` of the call
+with counter ``(j div 4, i, b * Hq + h, ATTENTION_COUNTER_TAG)`` and the 64-bit seed as key, and is kept
+iff that word is ``>= keep_threshold(p)``. One call serves four neighbouring keys, as in the kernel; the
+tag keeps these counters apart from the element-wise dropout's, whose last two words are 0. The
+backward regenerates ``Z``: ``dV = Pdᵀ dO``, ``dP = (dO Vᵀ) ∘ Z / (1 - p)``, ``dS = P ∘ (dP - delta)``;
+``delta = rowsum(dO ∘ O)`` still equals ``rowsum(P ∘ dP)``.
+
+Dependency rule: this file imports torch and ``reference.dropout`` only.
 """
 
 from __future__ import annotations
@@ -35,6 +45,37 @@ from __future__ import annotations
 import math
 
 import torch
+
+from reference.dropout import keep_threshold, philox4x32
+
+#: Fourth Philox counter word of every attention-dropout draw ("ATT1"), shared with the kernel.
+ATTENTION_COUNTER_TAG = 0x41545431
+_MASK32 = 0xFFFFFFFF
+
+
+def attention_keep_mask(b: int, hq: int, sq: int, sk: int, p: float, seed: int, *, device=None) -> torch.Tensor:
+    """Boolean (B, Hq, Sq, Sk): which attention probabilities survive dropout ``p`` with ``seed``."""
+    j = torch.arange(sk, dtype=torch.int64, device=device)
+    i = torch.arange(sq, dtype=torch.int64, device=device)
+    bh = torch.arange(b * hq, dtype=torch.int64, device=device)
+    shape = (b * hq, sq, sk)
+    counter = (
+        (j // 4).expand(shape),
+        i[:, None].expand(shape),
+        bh[:, None, None].expand(shape),
+        torch.full(shape, ATTENTION_COUNTER_TAG, dtype=torch.int64, device=device),
+    )
+    seed &= (1 << 64) - 1
+    words = torch.stack(philox4x32(counter, (seed & _MASK32, seed >> 32)))
+    word = words.gather(0, (j % 4).expand(shape).unsqueeze(0)).squeeze(0)
+    return (word >= keep_threshold(p)).reshape(b, hq, sq, sk)
+
+
+def _check_dropout(dropout_p: float, seed) -> None:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0 and seed is None:
+        raise ValueError("the twin needs an explicit integer seed when dropout_p > 0")
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -74,9 +115,9 @@ def visible(sq: int, sk: int, *, causal: bool, window_size=(-1, -1), device=None
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1)):
-    """Naive ``softmax(Q Kᵀ · scale) V`` with the kernel's masks; materialises the (Sq, Sk) scores."""
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout inside attention comes with the attention-extras issue")
+    """Naive ``softmax(Q Kᵀ · scale) V`` with the kernel's masks and dropout; materialises the (Sq, Sk)
+    scores."""
+    _check_dropout(dropout_p, seed)
     group, d = _check_shapes(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     ct = _compute_dtype(q)
@@ -87,13 +128,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=
     # A row that sees no key gets finite dummy scores, then weight 0: output 0 and gradient 0, not NaN.
     s = torch.where(sees_some, s.masked_fill(~keep, float("-inf")), 0.0)
     p = torch.softmax(s, dim=-1) * sees_some
+    if dropout_p > 0.0:
+        keep = attention_keep_mask(*q.shape[:3], k.shape[2], dropout_p, seed, device=q.device)
+        p = torch.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
     return torch.matmul(p, vf).to(q.dtype)
 
 
-def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                            block_m: int = 64, block_n: int = 64):
+def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), dropout_p=0.0,
+                            seed=None, block_m: int = 64, block_n: int = 64):
     """FA2 forward, tiled as the kernel runs it: returns ``(o, lse)``; ``lse`` is the natural-log
     log-sum-exp per row, (B, Hq, Sq), float32 (float64 for float64 inputs)."""
+    _check_dropout(dropout_p, seed)
     group, d = _check_shapes(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     ct = _compute_dtype(q)
@@ -104,6 +149,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
     o = torch.zeros(b, hq, sq, d, dtype=ct, device=q.device)
     lse = torch.full((b, hq, sq), float("-inf"), dtype=ct, device=q.device)
     keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
+    kept = attention_keep_mask(b, hq, sq, sk, dropout_p, seed, device=q.device) if dropout_p > 0 else None
     for m0 in range(0, sq, block_m):
         rows = slice(m0, min(m0 + block_m, sq))
         q_blk = qf[:, :, rows]
@@ -122,7 +168,9 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_safe[..., None])
             alpha = torch.exp(m - m_safe)
-            row_sum = alpha * row_sum + p.sum(dim=-1)
+            row_sum = alpha * row_sum + p.sum(dim=-1)  # the normaliser counts dropped entries too
+            if kept is not None:
+                p = torch.where(kept[:, :, rows, cols], p * (1.0 / (1.0 - dropout_p)), 0.0)
             acc = alpha[..., None] * acc + torch.matmul(p, vf[:, :, cols])
             m = m_new
         seen = row_sum > 0
@@ -133,8 +181,9 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                             block_m: int = 64, block_n: int = 64):
+                             dropout_p=0.0, seed=None, block_m: int = 64, block_n: int = 64):
     """FA2 backward, tiled as the kernel runs it: returns ``(dq, dk, dv)`` in the inputs' dtypes."""
+    _check_dropout(dropout_p, seed)
     group, d = _check_shapes(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     ct = _compute_dtype(q)
@@ -145,15 +194,23 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale
     lse_f = lse.to(ct)
     delta = (dof * of).sum(dim=-1)  # (B, Hq, Sq): the preprocess kernel
     keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
+    kept = attention_keep_mask(b, hq, sq, sk, dropout_p, seed, device=q.device) if dropout_p > 0 else None
 
     def p_and_ds(rows, cols):
-        """P recomputed from the saved log-sum-exp, and dS = P * (dO V^T - delta), for one tile."""
+        """The dropped probabilities Pd (P itself without dropout), recomputed from the saved log-sum-exp,
+        and dS = P * (dP - delta) with dP = (dO V^T) * Z / (1 - p), for one tile."""
         s = torch.matmul(qf[:, :, rows], kf[:, :, cols].transpose(-1, -2)) * scale
         lse_rows = lse_f[:, :, rows, None]
         p = torch.exp(s - torch.where(torch.isinf(lse_rows), 0.0, lse_rows))
         p = p.masked_fill(~keep[rows, cols], 0.0)
         dp = torch.matmul(dof[:, :, rows], vf[:, :, cols].transpose(-1, -2))
-        return p, p * (dp - delta[:, :, rows, None])
+        if kept is None:
+            return p, p * (dp - delta[:, :, rows, None])
+        z = kept[:, :, rows, cols]
+        inv_keep = 1.0 / (1.0 - dropout_p)
+        pd = torch.where(z, p * inv_keep, 0.0)
+        dp = torch.where(z, dp * inv_keep, 0.0)
+        return pd, p * (dp - delta[:, :, rows, None])
 
     def tiles(outer_len, inner_len, outer_block, inner_block):
         for o0 in range(0, outer_len, outer_block):

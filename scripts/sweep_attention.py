@@ -91,18 +91,19 @@ def main() -> None:
                     b, h = 16384 // s, 2048 // d
                     q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(4))
                     scale = 1 / math.sqrt(d)
+                    right = 0 if causal else -1  # the band's right side (ops._band)
                     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
                     o = torch.empty_like(q)
                     lse = torch.empty((b, h, s), device="cuda", dtype=torch.float32)
-                    fwd = sweep("fwd", FWD, d, lambda c: ops._launch_fwd(q, k, v, o, lse, causal, scale, c))
-                    ops._launch_fwd(q, k, v, o, lse, causal, scale, ops._config("fwd", d, dtype))
+                    fwd = sweep("fwd", FWD, d, lambda c: ops._launch_fwd(q, k, v, o, lse, -1, right, scale, c))
+                    ops._launch_fwd(q, k, v, o, lse, -1, right, scale, ops._config("fwd", d, dtype))
                     delta = torch.empty_like(lse)
                     pre_ms = bench(lambda: ops._launch_bwd_preprocess(o, do, delta))
                     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
                     dkdv = sweep("dkdv", DKDV, d,
-                                 lambda c: ops._launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, causal, scale, c))
+                                 lambda c: ops._launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, -1, right, scale, c))
                     dqr = sweep("dq", DQ, d,
-                                lambda c: ops._launch_bwd_dq(do, q, k, v, lse, delta, dq, causal, scale, c))
+                                lambda c: ops._launch_bwd_dq(do, q, k, v, lse, delta, dq, -1, right, scale, c))
                     flash = sdpa_times(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
                     cudnn = sdpa_times(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
 

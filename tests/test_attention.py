@@ -153,12 +153,12 @@ KERNEL_CASES = by_mode(
 ATTN_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 
 
-def _low_precision_attention(q, k, v, causal):
+def _low_precision_attention(q, k, v, causal, window_size=(-1, -1)):
     """torch in the input dtype (scores, P and PV in that dtype; softmax in fp32), as a peer's error."""
     group = q.shape[1] // k.shape[1]
     kx, vx = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = (q @ kx.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]))
-    keep = twin.visible(q.shape[2], k.shape[2], causal=causal, device=q.device)
+    keep = twin.visible(q.shape[2], k.shape[2], causal=causal, window_size=window_size, device=q.device)
     sees = keep.any(dim=-1, keepdim=True)
     s = torch.where(sees, s.masked_fill(~keep, float("-inf")), 0.0)
     p = (torch.softmax(s.float(), dim=-1) * sees).to(q.dtype)
@@ -184,6 +184,47 @@ def test_kernel_within_twice_torchs_own_error(case, causal, dtype):
     for name, o, t, r in zip(("o", "dq", "dk", "dv"), ours, peer, ref, strict=True):
         assert o.dtype == dtype and o.shape == r.shape, name
         assert_no_worse_than_torch(name, o, t, r, atol=ATTN_ATOL[dtype])
+
+
+WINDOW_CASES = by_mode(interpreter=[(1, 2, 1, 70, 70, 16), (1, 1, 1, 33, 90, 16)],
+                       cuda=[(2, 4, 2, 300, 300, 64), (1, 4, 1, 77, 500, 40), (1, 2, 2, 500, 120, 128)])
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("window", [(16, 0), (20, 30), (0, 0), (50, -1), (-1, 8)], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
+def test_kernel_sliding_window_within_twice_torchs_own_error(case, causal, window, dtype):
+    q, k, v = (t.to(DEVICE, dtype) for t in _qkv(*case, dtype=torch.float32))
+    do = torch.randn_like(q)
+    kw = {"causal": causal, "window_size": window}
+    ours = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+    peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, causal, window), q, k, v, do)
+    ref = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q.double(), k.double(), v.double(), do.double())
+    for name, o, t, r in zip(("o", "dq", "dk", "dv"), ours, peer, ref, strict=True):
+        assert_no_worse_than_torch(name, o, t, r, atol=ATTN_ATOL[dtype])
+
+
+def test_window_rows_at_the_edges_see_the_right_keys():
+    """Window (2, 1), Sq = Sk: row 0 sees keys 0-1, the last row the last 3; a row of a band that misses
+    K entirely (Sq > Sk, right = 0) gets zeros and lse = -inf."""
+    q, k, v = (t.to(DEVICE, torch.float32) for t in _qkv(1, 1, 1, 6, 6, 16, dtype=torch.float32))
+    o, lse = flash_attention(q, k, v, window_size=(2, 1), return_lse=True)
+    torch.testing.assert_close(o, twin.attention(q, k, v, window_size=(2, 1)), rtol=1e-5, atol=1e-5)
+    s = (q @ k.transpose(-1, -2))[0, 0] / 4.0
+    torch.testing.assert_close(lse[0, 0, 0], torch.logsumexp(s[0, :2], dim=0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[0, 0, 5], torch.logsumexp(s[5, 3:], dim=0), rtol=1e-5, atol=1e-5)
+    q2 = torch.cat([q, q], dim=2)  # Sq = 12 > Sk = 6: rows 0..5 sit before key 0
+    o2, lse2 = flash_attention(q2, k, v, window_size=(3, 0), return_lse=True)
+    assert torch.equal(o2[:, :, :6], torch.zeros_like(o2[:, :, :6])) and (lse2[:, :, :6] == float("-inf")).all()
+
+
+def test_window_size_errors():
+    q, k, v = (t.to(DEVICE, torch.float32) for t in _qkv(1, 1, 1, 4, 4, 16, dtype=torch.float32))
+    with pytest.raises(ValueError, match="window_size entries"):
+        flash_attention(q, k, v, window_size=(-2, 0))
+    with pytest.raises(TypeError, match="pair of ints"):
+        flash_attention(q, k, v, window_size=3)
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES[:4], ids=str)
@@ -245,8 +286,10 @@ def test_kernel_bad_inputs():
         flash_attention(q[:, :3], k, v)
     with pytest.raises(ValueError, match="v is on meta"):
         flash_attention(q, k, v.to("meta"))
-    with pytest.raises(NotImplementedError, match="attention-extras"):
-        flash_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        flash_attention(q, k, v, dropout_p=1.0)
+    with pytest.raises(TypeError, match="seed must be None or an int"):
+        flash_attention(q, k, v, dropout_p=0.1, seed=1.5)
 
 
 @pytest.mark.cuda
@@ -268,11 +311,13 @@ def test_kernel_long_sequence_and_large_head_dim():
     assert extra < 64 * long.numel() * long.element_size()  # O(S) buffers, nowhere near an S x S one
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (7, 3), (0, -1)], ids=str)
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("sq", "sk"), [(70, 45), (45, 70), (64, 64)], ids=str)
-def test_kernel_block_boundaries(monkeypatch, blocks, causal, sq, sk):
-    """Small blocks, so the masked/unmasked split of every loop (diagonal, tail of Sq and Sk) is crossed."""
+def test_kernel_block_boundaries(monkeypatch, blocks, causal, sq, sk, window):
+    """Small blocks, so the masked/unmasked split of every loop (both edges of the band, the tails of Sq
+    and Sk) is crossed."""
     import kernels.attention.ops as ops
 
     real_config = ops._config
@@ -283,7 +328,86 @@ def test_kernel_block_boundaries(monkeypatch, blocks, causal, sq, sk):
     monkeypatch.setattr(ops, "_config", small_blocks)
     q, k, v = (t.to(DEVICE) for t in _qkv(1, 2, 1, sq, sk, 16, dtype=torch.float32))
     do = torch.randn_like(q)
-    got = _grads(lambda a, b, c: flash_attention(a, b, c, causal=causal), q, k, v, do)
-    expected = _grads(lambda a, b, c: twin.attention(a, b, c, causal=causal), q, k, v, do)
+    kw = {"causal": causal, "window_size": window}
+    if window == (7, 3):  # and dropout, whose keep mask is drawn per tile
+        kw.update(dropout_p=0.25, seed=5)
+    got = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+    expected = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q, k, v, do)
     for name, g, e in zip(("o", "dq", "dk", "dv"), got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=2e-4, atol=2e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --- dropout on the attention probabilities ---------------------------------------------------------
+
+
+def test_twin_keep_mask_is_the_documented_philox_draw():
+    from reference.dropout import keep_threshold, philox4x32
+
+    seed, p = 0x1234_5678_9ABC_DEF0, 0.3
+    mask = twin.attention_keep_mask(2, 3, 5, 11, p, seed)
+    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 10), (1, 0, 3, 7), (0, 2, 1, 5)]:
+        counter = tuple(torch.tensor([c]) for c in (j // 4, i, b * 3 + h, twin.ATTENTION_COUNTER_TAG))
+        words = philox4x32(counter, (seed & 0xFFFFFFFF, seed >> 32))
+        assert bool(mask[b, h, i, j]) == (int(words[j % 4]) >= keep_threshold(p))
+    big = twin.attention_keep_mask(1, 4, 64, 256, 0.25, 7)
+    assert abs(big.float().mean().item() - 0.75) < 0.01  # 65536 draws: 5 sigma is 0.0085
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (5, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES[1:4], ids=str)
+def test_flash_twins_with_dropout_equal_naive_and_its_autograd(case, causal, window):
+    q, k, v = (t.requires_grad_(True) for t in _qkv(*case))
+    kw = {"causal": causal, "window_size": window, "dropout_p": 0.3, "seed": 99}
+    out = twin.attention(q, k, v, **kw)
+    do = torch.randn_like(out)
+    expected = torch.autograd.grad(out, (q, k, v), do)
+    o, lse = twin.flash_attention_forward(q.detach(), k.detach(), v.detach(), block_m=16, block_n=32, **kw)
+    torch.testing.assert_close(o, out.detach(), rtol=1e-10, atol=1e-10)
+    got = twin.flash_attention_backward(do, q.detach(), k.detach(), v.detach(), o, lse, block_m=16, block_n=32, **kw)
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_kernel_dropout_mask_equals_the_twins():
+    """q = 0 makes every probability 1/Sk and v = I reads them out: o * Sk * (1 - p) is the keep mask."""
+    b, h, sq, sk, p, seed = 2, 3, 37, 64, 0.4, 2024
+    q = torch.zeros(b, h, sq, sk, device=DEVICE)
+    k = torch.randn(b, h, sk, sk, device=DEVICE)
+    v = torch.eye(sk, device=DEVICE).expand(b, h, sk, sk).contiguous()
+    o = flash_attention(q, k, v, dropout_p=p, seed=seed)
+    mask = twin.attention_keep_mask(b, h, sq, sk, p, seed, device=DEVICE)
+    torch.testing.assert_close(o * sk * (1 - p), mask.float(), rtol=1e-5, atol=1e-5)
+    assert 0.5 < mask.float().mean().item() < 0.7
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(("causal", "window"), [(False, (-1, -1)), (True, (-1, -1)), (True, (20, 0))], ids=str)
+@pytest.mark.parametrize("case", by_mode(interpreter=[(1, 2, 1, 45, 70, 16), (2, 2, 2, 33, 33, 40)],
+                                         cuda=[(2, 4, 2, 300, 300, 64), (1, 4, 1, 77, 500, 40),
+                                               (1, 2, 2, 500, 120, 128)]), ids=str)
+def test_kernel_dropout_within_twice_torchs_own_error(case, causal, window, dtype):
+    q, k, v = (t.to(DEVICE, dtype) for t in _qkv(*case, dtype=torch.float32))
+    do = torch.randn_like(q)
+    kw = {"causal": causal, "window_size": window, "dropout_p": 0.2, "seed": 12345}
+    ours = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+    peer = _grads(lambda a, b, c: twin.attention(a.float(), b.float(), c.float(), **kw).to(dtype), q, k, v, do)
+    ref = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q.double(), k.double(), v.double(), do.double())
+    for name, o, t, r in zip(("o", "dq", "dk", "dv"), ours, peer, ref, strict=True):
+        # the peer (torch in fp32, rounded once to the input dtype) is more accurate than any kernel in
+        # fp16/bf16, so the bound here is the dtype's atol on top of twice its error
+        assert_no_worse_than_torch(name, o, t, r, atol=ATTN_ATOL[dtype])
+
+
+def test_kernel_dropout_seeds():
+    q, k, v = (t.to(DEVICE, torch.float32) for t in _qkv(1, 2, 2, 40, 40, 16, dtype=torch.float32))
+    a = flash_attention(q, k, v, dropout_p=0.5, seed=7)
+    assert torch.equal(a, flash_attention(q, k, v, dropout_p=0.5, seed=7))
+    assert not torch.equal(a, flash_attention(q, k, v, dropout_p=0.5, seed=8))
+    torch.manual_seed(0)
+    first = flash_attention(q, k, v, dropout_p=0.5)
+    second = flash_attention(q, k, v, dropout_p=0.5)
+    assert not torch.equal(first, second)  # seed=None draws a fresh seed from torch's generator
+    torch.manual_seed(0)
+    assert torch.equal(first, flash_attention(q, k, v, dropout_p=0.5))
+    assert torch.equal(flash_attention(q, k, v, dropout_p=0.0, seed=3), flash_attention(q, k, v))

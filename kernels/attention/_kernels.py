@@ -3,8 +3,10 @@
 Implements (read beside ``reference/attention.py``, which runs the same blocks in torch):
 - ``_attn_fwd_kernel``: one program per (query block, batch * query head); K/V blocks stream through
   an online softmax in base 2 (``log2(e)`` folded into the scale); writes O and the natural-log
-  log-sum-exp per row. Causal: key blocks wholly above the (bottom-right aligned) diagonal are never
-  loaded; only the blocks that cross the diagonal, or the end of K, pay for a mask.
+  log-sum-exp per row. Causal and sliding windows are one band ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq +
+  RIGHT`` (causal: RIGHT = 0; each side optional): key blocks wholly outside the band are never loaded,
+  so cost grows with the window, not with S^2; only blocks that cross its edges, or the end of K, pay
+  for a mask.
 - ``_attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)``.
 - ``_attn_bwd_dkdv_kernel``: one program per (key block, batch * key/value head); loops over the query
   heads of its GQA group and the query blocks that see the key block; P is recomputed from the saved
@@ -12,13 +14,13 @@ Implements (read beside ``reference/attention.py``, which runs the same blocks i
 - ``_attn_bwd_dq_kernel``: one program per (query block, batch * query head), looping over key blocks.
 
 Limits: head dims are padded to a power of two >= 16 inside the kernel (any D works; D > 256 runs with
-small blocks, correct but slow). Any strides. Dropout and sliding windows come with a later issue.
+small blocks, correct but slow). Any strides. Dropout comes with a later change.
 
 Trade-offs:
 - Three backward kernels compute Q K^T twice (dK/dV and dQ) instead of accumulating dQ with atomics:
   deterministic, at the cost of two more matmuls per tile pair (7 instead of 5).
-- Masks are compile-time variants of one loop (``KEY_MASK``, ``CAUSAL_MASK``, ``EVEN_D``): the interior
-  tiles load without a mask, which lets the loads vectorise and the pipeliner run ahead.
+- Masks are compile-time variants of one loop (``MASKED``, ``HAS_LEFT``/``HAS_RIGHT``, ``EVEN_D``): the
+  interior tiles load without a mask, which lets the loads vectorise and the pipeliner run ahead.
 - Out-of-range keys need no mask in the dK/dV kernel (their rows of dK/dV are never stored) and
   out-of-range queries none anywhere in the backward (their log-sum-exp is loaded as +inf, so P = 0).
 """
@@ -26,6 +28,10 @@ Trade-offs:
 import triton
 import triton.language as tl
 
+from kernels.dropout._kernels import philox4x32
+from reference.attention import ATTENTION_COUNTER_TAG
+
+_COUNTER_TAG = tl.constexpr(ATTENTION_COUNTER_TAG)
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -54,37 +60,91 @@ def _load_rows(base, rows, stride_s, offs_d, stride_d, n_rows, D, ROW_MASK: tl.c
 
 
 @triton.jit
+def _apply_window(x, q_idx, k_idx, lo_shift, hi_shift, fill, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """``x`` where query ``q_idx`` sees key ``k_idx`` (``q + lo_shift <= k <= q + hi_shift``, each side only
+    if present), ``fill`` elsewhere. The shifts fold in the bottom-right alignment: ``Sk - Sq -/+ window``."""
+    if HAS_RIGHT:
+        x = tl.where(k_idx <= q_idx + hi_shift, x, fill)
+    if HAS_LEFT:
+        x = tl.where(k_idx >= q_idx + lo_shift, x, fill)
+    return x
+
+
+@triton.jit
+def _dropout_keep(rows, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask of attention dropout for queries ``rows`` (BLOCK_M) x keys ``n0 .. n0 + BLOCK_N``
+    (``n0`` a multiple of 4): key j takes word ``j % 4`` of Philox4x32-10 on the counter
+    ``(j // 4, i, bh, TAG)`` keyed by the seed (``reference.attention.attention_keep_mask``). One call
+    serves four keys; ``join`` + ``reshape`` interleave the four words back into key order."""
+    zeros = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32)
+    c0 = zeros + (n0 // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)[None, :]
+    c1 = zeros + rows.to(tl.uint32)[:, None]
+    c2 = zeros + tl.cast(bh, tl.uint32)
+    c3 = tl.full([BLOCK_M, BLOCK_N // 4], _COUNTER_TAG, dtype=tl.uint32)
+    w0, w1, w2, w3 = philox4x32(c0, c1, c2, c3, tl.cast(seed_lo, tl.uint32), tl.cast(seed_hi, tl.uint32))
+    # [.., g, a, b] = word 2a + b  ->  flat index 4g + 2a + b = key offset
+    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_M, BLOCK_N))
+    return words >= tl.cast(threshold, tl.uint32)
+
+
+@triton.jit
+def _key_range(m0, Sk, lo_shift, hi_shift, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks a query block [m0, m0 + BLOCK_M) must visit: ``[start, end)``, of which
+    ``[full_lo, full_hi)`` (whole blocks inside Sk) every row sees entirely and needs no mask.
+    Blocks outside the window (above the causal diagonal, left of a sliding window) are never visited."""
+    if HAS_RIGHT:
+        end = tl.minimum(tl.maximum(m0 + BLOCK_M - 1 + hi_shift + 1, 0), Sk)
+        full_hi = tl.minimum(tl.maximum(m0 + hi_shift + 1, 0), Sk) // BLOCK_N * BLOCK_N
+    else:
+        end = Sk
+        full_hi = Sk // BLOCK_N * BLOCK_N
+    if HAS_LEFT:
+        start = tl.minimum(tl.maximum(m0 + lo_shift, 0) // BLOCK_N * BLOCK_N, end)
+        full_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + lo_shift, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, start), end)
+    else:
+        start = 0
+        full_lo = 0
+    full_hi = tl.maximum(full_hi, full_lo)
+    return start, full_lo, full_hi, end
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, start, end, offs_m, offs_n, offs_d,
-    Sk, D, diag, scale_log2,
-    KEY_MASK: tl.constexpr, CAUSAL_MASK: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    Sk, D, lo_shift, hi_shift, scale_log2,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
 ):
     """Stream key blocks [start, end) through the online softmax (base 2)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(k_base, cols, stride_ks, offs_d, stride_kd, Sk, D, KEY_MASK, EVEN_D)
+        k = _load_rows(k_base, cols, stride_ks, offs_d, stride_kd, Sk, D, MASKED, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if KEY_MASK:
+        if MASKED:
             s = tl.where(cols[None, :] < Sk, s, float("-inf"))
-        if CAUSAL_MASK:
-            s = tl.where(cols[None, :] <= offs_m[:, None] + diag, s, float("-inf"))
+            s = _apply_window(s, offs_m[:, None], cols[None, :], lo_shift, hi_shift, float("-inf"), HAS_LEFT, HAS_RIGHT)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if KEY_MASK or CAUSAL_MASK:
+        if MASKED:
             # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new_safe = m_new
         p = tl.math.exp2(s - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_rows(v_base, cols, stride_vs, offs_d, stride_vd, Sk, D, KEY_MASK, EVEN_D)
+        l_i = l_i * alpha + tl.sum(p, axis=1)  # the normaliser counts dropped probabilities too
+        if DROPOUT:
+            keep = _dropout_keep(offs_m, start_n, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p * inv_keep, 0.0)
+        v = _load_rows(v_base, cols, stride_vs, offs_d, stride_vd, Sk, D, MASKED, EVEN_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
 def _attn_fwd_kernel(
     q_ptr,  # (B, Hq, Sq, D)
     k_ptr,  # (B, Hkv, Sk, D)
@@ -101,7 +161,14 @@ def _attn_fwd_kernel(
     Sk,
     D,
     scale_log2,  # softmax_scale * log2(e)
-    CAUSAL: tl.constexpr,
+    LEFT,  # window: query i sees keys i + Sk - Sq - LEFT ... i + Sk - Sq + RIGHT (causal: RIGHT = 0)
+    RIGHT,
+    HAS_LEFT: tl.constexpr,  # False: unbounded on that side
+    HAS_RIGHT: tl.constexpr,
+    seed_lo, seed_hi,  # attention dropout: the 64-bit seed as two Philox key words
+    threshold,  # keep iff the word is >= threshold
+    inv_keep,  # 1 / (1 - dropout_p)
+    DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -124,20 +191,23 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diag = Sk - Sq  # query i sits at key position i + diag
-    if CAUSAL:
-        # Keys past the last row's diagonal are never loaded; blocks left of the first row's diagonal
-        # (and inside Sk) need no mask.
-        end = tl.minimum(tl.maximum((pid_m + 1) * BLOCK_M + diag, 0), Sk)
-        full_end = tl.minimum(tl.maximum(pid_m * BLOCK_M + diag + 1, 0), Sk) // BLOCK_N * BLOCK_N
-    else:
-        end = Sk
-        full_end = Sk // BLOCK_N * BLOCK_N
+    lo_shift = diag - LEFT
+    hi_shift = diag + RIGHT
+    start, full_lo, full_hi, end = _key_range(pid_m * BLOCK_M, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT,
+                                              BLOCK_M, BLOCK_N)
+    if HAS_LEFT:
+        acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                        start, full_lo, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
+                                        True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                                        pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                    0, full_end, offs_m, offs_n, offs_d, Sk, D, diag, scale_log2,
-                                    False, False, EVEN_D, BLOCK_N, DOT_PRECISION)
+                                    full_lo, full_hi, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
+                                    False, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                                    pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                    full_end, end, offs_m, offs_n, offs_d, Sk, D, diag, scale_log2,
-                                    True, CAUSAL, EVEN_D, BLOCK_N, DOT_PRECISION)
+                                    full_hi, end, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
+                                    True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                                    pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     seen = l_i > 0.0
     safe_l = tl.where(seen, l_i, 1.0)
     o = tl.where(seen[:, None], acc / safe_l[:, None], 0.0)
@@ -175,8 +245,10 @@ def _attn_bwd_preprocess_kernel(
 @triton.jit
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos, stride_dod, start, end,
-    offs_m, keys, offs_d, Sq, D, diag, scale_log2,
-    CAUSAL_MASK: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    offs_m, keys, offs_d, Sq, D, lo_shift, hi_shift, scale_log2,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
 ):
     """Accumulate this key block's dK (unscaled) and dV over the query blocks [start, end) of one head."""
     for m0 in range(start, end, BLOCK_M):
@@ -189,16 +261,21 @@ def _attn_bwd_dkdv_inner(
         delta = tl.load(delta_base + rows, mask=rows < Sq, other=0.0)
         # Transposed scores: (keys, queries)
         pt = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2 - lse2[None, :])
-        if CAUSAL_MASK:
-            pt = tl.where(keys[:, None] <= rows[None, :] + diag, pt, 0.0)
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
+        if MASKED:
+            pt = _apply_window(pt, rows[None, :], keys[:, None], lo_shift, hi_shift, 0.0, HAS_LEFT, HAS_RIGHT)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep_t = tl.trans(_dropout_keep(rows, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N))
+            dv += tl.dot(tl.where(keep_t, pt * inv_keep, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dpt = tl.where(keep_t, dpt * inv_keep, 0.0)
+        else:
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,
     lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32, contiguous
@@ -209,7 +286,11 @@ def _attn_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dos, stride_dod,
     Hq, Hkv, GROUP, Sq, Sk, D,
     scale,
-    CAUSAL: tl.constexpr,
+    LEFT, RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    seed_lo, seed_hi, threshold, inv_keep,  # attention dropout, as in the forward
+    DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -232,29 +313,49 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     scale_log2 = scale * _LOG2E
     diag = Sk - Sq
-    if CAUSAL:
-        # Query i sees key j iff j <= i + diag: rows before (n0 - diag) see none of this block, rows from
-        # (last key - diag) on see all of it; only the query blocks in between need the mask.
-        start_m = tl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
-        full_start = tl.minimum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M, Sq)
-        full_start = tl.maximum(full_start, start_m)
+    lo_shift = diag - LEFT
+    hi_shift = diag + RIGHT
+    # Query i sees key j iff i + lo_shift <= j <= i + hi_shift. Query blocks wholly outside that band for
+    # this key block are skipped; those wholly inside it run without a mask.
+    if HAS_RIGHT:
+        start_m = tl.maximum(n0 - hi_shift, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - hi_shift, 0), BLOCK_M) * BLOCK_M
     else:
         start_m = 0
-        full_start = 0
+        full_lo = 0
+    if HAS_LEFT:
+        end_m = tl.minimum(tl.maximum(n0 + BLOCK_N - lo_shift, 0), Sq)
+        full_hi = tl.maximum(n0 - lo_shift + 1, 0) // BLOCK_M * BLOCK_M
+    else:
+        end_m = Sq
+        full_hi = Sq
+    start_m = tl.minimum(start_m, end_m)
+    full_lo = tl.minimum(tl.maximum(full_lo, start_m), end_m)
+    full_hi = tl.maximum(tl.minimum(full_hi, end_m), full_lo)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_base = _head_base(q_ptr, b, h, stride_qb, stride_qh)
         do_base = _head_base(do_ptr, b, h, stride_dob, stride_doh)
-        stat_base = (b * Hq + h).to(tl.int64) * Sq
-        if CAUSAL:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_ptr + stat_base, delta_ptr + stat_base,
-                                          stride_qs, stride_qd, stride_dos, stride_dod, start_m, full_start,
-                                          offs_m, keys, offs_d, Sq, D, diag, scale_log2,
-                                          True, EVEN_D, BLOCK_M, DOT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_ptr + stat_base, delta_ptr + stat_base,
-                                      stride_qs, stride_qd, stride_dos, stride_dod, full_start, Sq,
-                                      offs_m, keys, offs_d, Sq, D, diag, scale_log2,
-                                      False, EVEN_D, BLOCK_M, DOT_PRECISION)
+        bh = b * Hq + h
+        lse_base = lse_ptr + bh.to(tl.int64) * Sq
+        delta_base = delta_ptr + bh.to(tl.int64) * Sq
+        if HAS_RIGHT:
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                          stride_qs, stride_qd, stride_dos, stride_dod, start_m, full_lo,
+                                          offs_m, keys, offs_d, Sq, D, lo_shift, hi_shift, scale_log2,
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                                          n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                      stride_qs, stride_qd, stride_dos, stride_dod, full_lo, full_hi,
+                                      offs_m, keys, offs_d, Sq, D, lo_shift, hi_shift, scale_log2,
+                                      False, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                                      n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
+        if HAS_LEFT:
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                          stride_qs, stride_qd, stride_dos, stride_dod, full_hi, end_m,
+                                          offs_m, keys, offs_d, Sq, D, lo_shift, hi_shift, scale_log2,
+                                          True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                                          n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     out = (b * Hkv + hk).to(tl.int64) * Sk * D + keys[:, None] * D + offs_d[None, :]
     mask = (keys < Sk)[:, None] & (offs_d < D)[None, :]
     tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
@@ -264,28 +365,31 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _attn_bwd_dq_inner(
     dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, start, end, offs_m, offs_n,
-    offs_d, Sk, D, diag, scale_log2,
-    KEY_MASK: tl.constexpr, CAUSAL_MASK: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
 ):
     """Accumulate this query block's dQ (unscaled) over the key blocks [start, end)."""
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + offs_n
-        k = _load_rows(k_base, cols, stride_ks, offs_d, stride_kd, Sk, D, KEY_MASK, EVEN_D)
-        v = _load_rows(v_base, cols, stride_vs, offs_d, stride_vd, Sk, D, KEY_MASK, EVEN_D)
+        k = _load_rows(k_base, cols, stride_ks, offs_d, stride_kd, Sk, D, MASKED, EVEN_D)
+        v = _load_rows(v_base, cols, stride_vs, offs_d, stride_vd, Sk, D, MASKED, EVEN_D)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2 - lse2[:, None])
         # Keys past Sk load as zeros but would still get P = exp(-lse), which can overflow: mask them.
-        if KEY_MASK:
+        if MASKED:
             p = tl.where(cols[None, :] < Sk, p, 0.0)
-        if CAUSAL_MASK:
-            p = tl.where(cols[None, :] <= offs_m[:, None] + diag, p, 0.0)
+            p = _apply_window(p, offs_m[:, None], cols[None, :], lo_shift, hi_shift, 0.0, HAS_LEFT, HAS_RIGHT)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep = _dropout_keep(offs_m, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,
     lse_ptr, delta_ptr,
@@ -296,7 +400,11 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dos, stride_dod,
     Hq, GROUP, Sq, Sk, D,
     scale,
-    CAUSAL: tl.constexpr,
+    LEFT, RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    seed_lo, seed_hi, threshold, inv_keep,  # attention dropout, as in the forward
+    DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -324,17 +432,22 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     scale_log2 = scale * _LOG2E
     diag = Sk - Sq
-    if CAUSAL:  # the forward's key ranges
-        end = tl.minimum(tl.maximum((pid_m + 1) * BLOCK_M + diag, 0), Sk)
-        full_end = tl.minimum(tl.maximum(pid_m * BLOCK_M + diag + 1, 0), Sk) // BLOCK_N * BLOCK_N
-    else:
-        end = Sk
-        full_end = Sk // BLOCK_N * BLOCK_N
+    lo_shift = diag - LEFT
+    hi_shift = diag + RIGHT
+    start, full_lo, full_hi, end = _key_range(pid_m * BLOCK_M, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT,
+                                              BLOCK_M, BLOCK_N)  # the forward's key ranges
+    if HAS_LEFT:
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                start, full_lo, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
+                                True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                                pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                            0, full_end, offs_m, offs_n, offs_d, Sk, D, diag, scale_log2,
-                            False, False, EVEN_D, BLOCK_N, DOT_PRECISION)
+                            full_lo, full_hi, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
+                            False, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                            pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                            full_end, end, offs_m, offs_n, offs_d, Sk, D, diag, scale_log2,
-                            True, CAUSAL, EVEN_D, BLOCK_N, DOT_PRECISION)
+                            full_hi, end, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
+                            True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
+                            pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     out = pid_bh.to(tl.int64) * Sq * D + offs_m[:, None] * D + offs_d[None, :]
     tl.store(dq_ptr + out, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_d < D)[None, :])

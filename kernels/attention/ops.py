@@ -20,8 +20,11 @@ from kernels._common import (
     backend_for,
     cdiv,
     check_float_dtype,
+    check_probability,
     check_same_device,
+    check_seed,
     check_tensor,
+    draw_seed,
     kernel_for,
     nothing_to_launch,
 )
@@ -31,6 +34,7 @@ from kernels.attention._kernels import (
     _attn_bwd_preprocess_kernel,
     _attn_fwd_kernel,
 )
+from reference.dropout import keep_threshold
 
 _MAX_HEAD_DIM = 1024
 
@@ -72,13 +76,34 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _launch_fwd(q, k, v, o, lse, causal: bool, scale: float, cfg: dict, *, traceable=False):
+def _band(left: int, right: int) -> dict:
+    """Kernel arguments of the visible band: query i sees keys ``i + Sk - Sq - left ... i + Sk - Sq + right``;
+    -1 leaves that side unbounded (and compiles the mask for it away)."""
+    return {"LEFT": max(left, 0), "RIGHT": max(right, 0), "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0}
+
+
+_MASK32 = 0xFFFFFFFF
+_NO_DROPOUT = {"seed_lo": 0, "seed_hi": 0, "threshold": 0, "inv_keep": 1.0, "DROPOUT": False}
+
+
+def _dropout_args(dropout_p: float, seed: int) -> dict:
+    """Kernel arguments of attention dropout: the seed's two Philox key words, the keep threshold (the
+    dropout family's rule) and ``1 / (1 - p)``."""
+    if dropout_p == 0.0:
+        return _NO_DROPOUT
+    seed &= (1 << 64) - 1
+    return {"seed_lo": seed & _MASK32, "seed_hi": seed >> 32, "threshold": keep_threshold(dropout_p),
+            "inv_keep": 1.0 / (1.0 - dropout_p), "DROPOUT": True}
+
+
+def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict, drop: dict = _NO_DROPOUT, *,
+                traceable=False):
     b, hq, sq, d = q.shape
     grid = (cdiv(sq, cfg["BLOCK_M"]), b * hq)
     kernel_for(_attn_fwd_kernel, traceable=traceable)[grid](
         q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         hq, hq // k.shape[1], sq, k.shape[2], d, scale * 1.4426950408889634,
-        CAUSAL=causal, DOT_PRECISION=_precision(q.dtype), **cfg,
+        DOT_PRECISION=_precision(q.dtype), **_band(left, right), **drop, **cfg,
     )
 
 
@@ -91,28 +116,33 @@ def _launch_bwd_preprocess(o, do, delta, *, traceable=False):
     )
 
 
-def _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, cfg: dict, *, traceable=False):
+def _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, left: int, right: int, scale: float, cfg: dict,
+                     drop: dict = _NO_DROPOUT, *, traceable=False):
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     kernel_for(_attn_bwd_dkdv_kernel, traceable=traceable)[(cdiv(sk, cfg["BLOCK_N"]), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        hq, hkv, hq // hkv, sq, sk, d, scale, CAUSAL=causal, DOT_PRECISION=_precision(q.dtype), **cfg,
+        hq, hkv, hq // hkv, sq, sk, d, scale, DOT_PRECISION=_precision(q.dtype), **_band(left, right), **drop,
+        **cfg,
     )
 
 
-def _launch_bwd_dq(do, q, k, v, lse, delta, dq, causal: bool, scale: float, cfg: dict, *, traceable=False):
+def _launch_bwd_dq(do, q, k, v, lse, delta, dq, left: int, right: int, scale: float, cfg: dict,
+                   drop: dict = _NO_DROPOUT, *, traceable=False):
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     kernel_for(_attn_bwd_dq_kernel, traceable=traceable)[(cdiv(sq, cfg["BLOCK_M"]), b * hq)](
         q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        hq, hq // hkv, sq, sk, d, scale, CAUSAL=causal, DOT_PRECISION=_precision(q.dtype), **cfg,
+        hq, hq // hkv, sq, sk, d, scale, DOT_PRECISION=_precision(q.dtype), **_band(left, right), **drop, **cfg,
     )
 
 
-def _fwd_impl(q, k, v, causal: bool, scale: float, *, traceable=False):
+def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: int = 0, *,
+              traceable=False):
     b, hq, sq, d = q.shape
     if backend_for(q) == "reference":
-        o, lse = twin.flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale)
+        o, lse = twin.flash_attention_forward(q, k, v, window_size=(left, right), softmax_scale=scale,
+                                              dropout_p=dropout_p, seed=seed)
         return o, lse.float()
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
@@ -120,13 +150,16 @@ def _fwd_impl(q, k, v, causal: bool, scale: float, *, traceable=False):
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
-    _launch_fwd(q, k, v, o, lse, causal, scale, _config("fwd", d, q.dtype), traceable=traceable)
+    _launch_fwd(q, k, v, o, lse, left, right, scale, _config("fwd", d, q.dtype), _dropout_args(dropout_p, seed),
+                traceable=traceable)
     return o, lse
 
 
-def _bwd_impl(do, q, k, v, o, lse, causal: bool, scale: float, *, traceable=False):
+def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: int = 0, *,
+              traceable=False):
     if backend_for(q) == "reference" or (q.dtype == torch.float32 and _block_d(q.shape[3]) > _FP32_MAX_KERNEL_BWD_DIM):
-        return twin.flash_attention_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale)
+        return twin.flash_attention_backward(do, q, k, v, o, lse, window_size=(left, right), softmax_scale=scale,
+                                             dropout_p=dropout_p, seed=seed)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     if nothing_to_launch(q) or sk == 0:
@@ -138,9 +171,11 @@ def _bwd_impl(do, q, k, v, o, lse, causal: bool, scale: float, *, traceable=Fals
     dv = torch.empty((b, hkv, sk, d), device=q.device, dtype=v.dtype)
     delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
     _launch_bwd_preprocess(o, do, delta, traceable=traceable)
-    _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, causal, scale, _config("dkdv", d, q.dtype),
+    drop = _dropout_args(dropout_p, seed)
+    _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, left, right, scale, _config("dkdv", d, q.dtype), drop,
                      traceable=traceable)
-    _launch_bwd_dq(do, q, k, v, lse, delta, dq, causal, scale, _config("dq", d, q.dtype), traceable=traceable)
+    _launch_bwd_dq(do, q, k, v, lse, delta, dq, left, right, scale, _config("dq", d, q.dtype), drop,
+                   traceable=traceable)
     return dq, dk, dv
 
 
@@ -148,46 +183,48 @@ class _FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd: saves q, k, v, o and the fp32 log-sum-exp (O(B·H·S) extra memory)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = _fwd_impl(q, k, v, causal, scale)
+    def forward(ctx, q, k, v, left, right, scale, dropout_p, seed):
+        o, lse = _fwd_impl(q, k, v, left, right, scale, dropout_p, seed)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.args = (left, right, scale, dropout_p, seed)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
 
 
 @triton_op("fused_kernels::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Registered forward: ``(o, lse)``."""
-    return _fwd_impl(q, k, v, causal, scale, traceable=True)
+def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
+                      scale: float, dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Registered forward: ``(o, lse)``; the band as in ``_band`` (causal is ``window_right = 0``); ``seed``
+    is the 64-bit dropout seed as a signed int64."""
+    return _fwd_impl(q, k, v, window_left, window_right, scale, dropout_p, seed, traceable=True)
 
 
 @triton_op("fused_kernels::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      lse: torch.Tensor, window_left: int, window_right: int, scale: float, dropout_p: float,
+                      seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Registered backward: ``(dq, dk, dv)``."""
-    return _bwd_impl(do, q, k, v, o, lse, causal, scale, traceable=True)
+    return _bwd_impl(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, traceable=True)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, *args = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.args = tuple(args)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fused_kernels.flash_attn_bwd(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = torch.ops.fused_kernels.flash_attn_bwd(do.contiguous(), q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
 
 
 flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -215,25 +252,52 @@ def _validate(q, k, v) -> None:
         raise ValueError(f"head dim must be between 1 and {_MAX_HEAD_DIM}, got {q.shape[3]}")
 
 
+def _window(window_size, causal: bool) -> tuple[int, int]:
+    """``(left, right)`` of the visible band, causal folded in (``right = 0``); -1 is unbounded."""
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {(left, right)}")
+    if causal:
+        right = 0
+    return left, right
+
+
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1),
                     return_lse=False, deterministic=False):
     """FlashAttention-2: ``softmax(q kᵀ · scale) v`` without materialising the scores.
 
     q ``(B, Hq, Sq, D)``, k/v ``(B, Hkv, Sk, D)`` with ``Hq % Hkv == 0`` (GQA/MQA), any strides, fp16/bf16/fp32.
-    ``causal`` aligns bottom-right (query i sees keys ``j <= i + Sk - Sq``); a query that sees no key
-    gets zeros and a log-sum-exp of -inf. ``return_lse`` adds the natural-log log-sum-exp (B, Hq, Sq) fp32.
+    Queries align bottom-right: query i sits at key position ``i + Sk - Sq``. ``causal`` keeps keys up to
+    that position; ``window_size = (left, right)`` keeps keys from ``left`` before it to ``right`` after it
+    (-1: unbounded; with ``causal`` the right side is 0), as in FlashAttention-2. Key blocks outside the
+    band are skipped, so a sliding window costs O(S · window). A query that sees no key gets zeros and a
+    log-sum-exp of -inf. ``return_lse`` adds the natural-log log-sum-exp (B, Hq, Sq) fp32 (of the undropped
+    scores).
+
+    ``dropout_p`` in [0, 1) drops normalised probabilities and rescales the kept ones by ``1 / (1 - p)``.
+    The keep mask is a pure function of ``seed`` and (batch, query head, query, key): the dropout family's
+    Philox4x32-10 on the counter stated in ``reference.attention`` (no mask is stored; the backward draws
+    it again). ``seed=None`` draws one from torch's generator for the device, so ``torch.manual_seed``
+    governs it and two calls differ.
+
     The backward is deterministic in every mode (``deterministic`` is accepted for API compatibility).
     """
     _validate(q, k, v)
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p > 0 inside attention comes with the attention-extras issue")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError("window_size comes with the attention-extras issue")
+    left, right = _window(window_size, bool(causal))
+    dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
+    if dropout_p > 0.0:
+        seed = draw_seed(q.device) if seed is None else check_seed("seed", seed)
+        seed = seed - (1 << 64) if seed >= (1 << 63) else seed  # op schemas carry int64
+    else:
+        seed = 0
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     if torch.compiler.is_compiling():
-        o, lse = torch.ops.fused_kernels.flash_attn_fwd(q, k, v, bool(causal), scale)
+        o, lse = torch.ops.fused_kernels.flash_attn_fwd(q, k, v, left, right, scale, dropout_p, seed)
     else:
-        o, lse = _FlashAttentionFunction.apply(q, k, v, bool(causal), scale)
+        o, lse = _FlashAttentionFunction.apply(q, k, v, left, right, scale, dropout_p, seed)
     return (o, lse) if return_lse else o
 
 
