@@ -53,11 +53,13 @@ ATTENTION_COUNTER_TAG = 0x41545431
 _MASK32 = 0xFFFFFFFF
 
 
-def attention_keep_mask(b: int, hq: int, sq: int, sk: int, p: float, seed: int, *, device=None) -> torch.Tensor:
-    """Boolean (B, Hq, Sq, Sk): which attention probabilities survive dropout ``p`` with ``seed``."""
+def attention_keep_mask(b: int, hq: int, sq: int, sk: int, p: float, seed: int, *, device=None,
+                        batch_offset: int = 0) -> torch.Tensor:
+    """Boolean (B, Hq, Sq, Sk): which attention probabilities survive dropout ``p`` with ``seed``.
+    ``batch_offset``: the index of the first sequence (packed batches draw sequence ``b``'s mask at ``b``)."""
     j = torch.arange(sk, dtype=torch.int64, device=device)
     i = torch.arange(sq, dtype=torch.int64, device=device)
-    bh = torch.arange(b * hq, dtype=torch.int64, device=device)
+    bh = torch.arange(batch_offset * hq, (batch_offset + b) * hq, dtype=torch.int64, device=device)
     shape = (b * hq, sq, sk)
     counter = (
         (j // 4).expand(shape),
@@ -114,7 +116,8 @@ def visible(sq: int, sk: int, *, causal: bool, window_size=(-1, -1), device=None
     return keep
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1)):
+def attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1),
+              batch_offset: int = 0):
     """Naive ``softmax(Q Kᵀ · scale) V`` with the kernel's masks and dropout; materialises the (Sq, Sk)
     scores."""
     _check_dropout(dropout_p, seed)
@@ -129,13 +132,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=
     s = torch.where(sees_some, s.masked_fill(~keep, float("-inf")), 0.0)
     p = torch.softmax(s, dim=-1) * sees_some
     if dropout_p > 0.0:
-        keep = attention_keep_mask(*q.shape[:3], k.shape[2], dropout_p, seed, device=q.device)
+        keep = attention_keep_mask(*q.shape[:3], k.shape[2], dropout_p, seed, device=q.device,
+                                   batch_offset=batch_offset)
         p = torch.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
     return torch.matmul(p, vf).to(q.dtype)
 
 
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), dropout_p=0.0,
-                            seed=None, block_m: int = 64, block_n: int = 64):
+                            seed=None, batch_offset: int = 0, block_m: int = 64, block_n: int = 64):
     """FA2 forward, tiled as the kernel runs it: returns ``(o, lse)``; ``lse`` is the natural-log
     log-sum-exp per row, (B, Hq, Sq), float32 (float64 for float64 inputs)."""
     _check_dropout(dropout_p, seed)
@@ -149,7 +153,8 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
     o = torch.zeros(b, hq, sq, d, dtype=ct, device=q.device)
     lse = torch.full((b, hq, sq), float("-inf"), dtype=ct, device=q.device)
     keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
-    kept = attention_keep_mask(b, hq, sq, sk, dropout_p, seed, device=q.device) if dropout_p > 0 else None
+    kept = (attention_keep_mask(b, hq, sq, sk, dropout_p, seed, device=q.device, batch_offset=batch_offset)
+            if dropout_p > 0 else None)
     for m0 in range(0, sq, block_m):
         rows = slice(m0, min(m0 + block_m, sq))
         q_blk = qf[:, :, rows]
@@ -181,7 +186,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                             dropout_p=0.0, seed=None, block_m: int = 64, block_n: int = 64):
+                             dropout_p=0.0, seed=None, batch_offset: int = 0, block_m: int = 64, block_n: int = 64):
     """FA2 backward, tiled as the kernel runs it: returns ``(dq, dk, dv)`` in the inputs' dtypes."""
     _check_dropout(dropout_p, seed)
     group, d = _check_shapes(q, k, v)
@@ -194,7 +199,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale
     lse_f = lse.to(ct)
     delta = (dof * of).sum(dim=-1)  # (B, Hq, Sq): the preprocess kernel
     keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
-    kept = attention_keep_mask(b, hq, sq, sk, dropout_p, seed, device=q.device) if dropout_p > 0 else None
+    kept = (attention_keep_mask(b, hq, sq, sk, dropout_p, seed, device=q.device, batch_offset=batch_offset)
+            if dropout_p > 0 else None)
 
     def p_and_ds(rows, cols):
         """The dropped probabilities Pd (P itself without dropout), recomputed from the saved log-sum-exp,
@@ -233,3 +239,53 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale
     dk = dk_full.reshape(b, hkv, group, sk, d).sum(dim=2)  # GQA: sum over the group's query heads
     dv = dv_full.reshape(b, hkv, group, sk, d).sum(dim=2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --- packed variable-length batches --------------------------------------------------------------------
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """``(b, query rows, key rows)`` of each packed sequence."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {len(cq)} and {len(ck)}")
+    for b in range(len(cq) - 1):
+        yield b, slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+
+
+def _as_batch(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1).unsqueeze(0)  # (S, H, D) -> (1, H, S, D)
+
+
+def _as_packed(t: torch.Tensor) -> torch.Tensor:
+    return t.squeeze(0).transpose(0, 1)  # (1, H, S, D) -> (S, H, D)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """Packed ``(total, H, D)`` sequences, each attended alone with :func:`attention` (sequence ``b`` draws
+    its dropout mask as batch row ``b``)."""
+    out = torch.zeros_like(q)
+    for b, rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        out[rq] = _as_packed(attention(_as_batch(q[rq]), _as_batch(k[rk]), _as_batch(v[rk]), batch_offset=b, **kwargs))
+    return out
+
+
+def flash_attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """Packed FA2 forward: ``(o, lse)`` with o ``(total_q, Hq, D)`` and lse ``(Hq, total_q)``."""
+    o = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_compute_dtype(q), device=q.device)
+    for b, rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        ob, lb = flash_attention_forward(_as_batch(q[rq]), _as_batch(k[rk]), _as_batch(v[rk]), batch_offset=b,
+                                         **kwargs)
+        o[rq], lse[:, rq] = _as_packed(ob), lb[0]
+    return o, lse
+
+
+def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """Packed FA2 backward: ``(dq, dk, dv)`` laid out as q, k, v."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b, rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        grads = flash_attention_backward(_as_batch(do[rq]), _as_batch(q[rq]), _as_batch(k[rk]), _as_batch(v[rk]),
+                                         _as_batch(o[rq]), lse[:, rq].unsqueeze(0), batch_offset=b, **kwargs)
+        dq[rq], dk[rk], dv[rk] = (_as_packed(g) for g in grads)
+    return dq, dk, dv

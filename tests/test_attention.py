@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import reference.attention as twin
-from kernels.attention import flash_attention
+from kernels.attention import flash_attention, flash_attention_varlen
 from tests._mode import DEVICE, FLOAT_DTYPES, by_mode
 from tests._numerics import assert_no_worse_than_torch
 
@@ -411,3 +411,74 @@ def test_kernel_dropout_seeds():
     torch.manual_seed(0)
     assert torch.equal(first, flash_attention(q, k, v, dropout_p=0.5))
     assert torch.equal(flash_attention(q, k, v, dropout_p=0.0, seed=3), flash_attention(q, k, v))
+
+
+# --- packed variable-length batches -------------------------------------------------------------------
+
+
+def _packed(lengths_q, lengths_k, hq, hkv, d, dtype):
+    g = torch.Generator().manual_seed(sum(lengths_q) * 7 + sum(lengths_k))
+    q = torch.randn(sum(lengths_q), hq, d, generator=g).to(DEVICE, dtype)
+    k = torch.randn(sum(lengths_k), hkv, d, generator=g).to(DEVICE, dtype)
+    v = torch.randn(sum(lengths_k), hkv, d, generator=g).to(DEVICE, dtype)
+
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+
+    return q, k, v, cu(lengths_q), cu(lengths_k)
+
+
+VARLEN_CASES = by_mode(
+    interpreter=[((1, 17, 40), (1, 17, 40), 2, 1, 16), ((5, 33), (70, 2), 2, 2, 40)],
+    cuda=[((1, 17, 40, 300, 129), (1, 17, 40, 300, 129), 4, 2, 64), ((5, 33, 1000), (70, 2, 999), 4, 4, 128),
+          ((1, 1, 1), (1, 3, 2), 2, 1, 80)],
+)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize(("causal", "window"), [(False, (-1, -1)), (True, (-1, -1)), (False, (8, 3))], ids=str)
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_varlen_equals_each_sequence_alone(case, causal, window, dtype):
+    lengths_q, lengths_k, hq, hkv, d = case
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, hq, hkv, d, dtype)
+    do = torch.randn_like(q)
+    kw = {"causal": causal, "window_size": window}
+    got = _grads(lambda a, b, c: flash_attention_varlen(a, b, c, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw),
+                 q, k, v, do)
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(lengths_q)):
+        rq, rk = slice(bounds_q[i], bounds_q[i + 1]), slice(bounds_k[i], bounds_k[i + 1])
+        one = [t.transpose(0, 1).unsqueeze(0) for t in (q[rq], k[rk], v[rk], do[rq])]
+        alone = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), *one)
+        for name, g, e, rows in zip(("o", "dq", "dk", "dv"), got, alone, (rq, rq, rk, rk), strict=True):
+            torch.testing.assert_close(g[rows], e.squeeze(0).transpose(0, 1), rtol=1e-5,
+                                       atol=1e-5 if dtype == torch.float32 else 2e-3,
+                                       msg=lambda m, n=name, j=i: f"{n} of sequence {j}: {m}")
+
+
+def test_varlen_dropout_and_lse_equal_the_twin():
+    q, k, v, cu_q, cu_k = _packed((3, 50, 20), (9, 50, 1), 2, 1, 16, torch.float32)
+    do = torch.randn_like(q)
+    kw = {"causal": True, "dropout_p": 0.3, "seed": 77}
+    got = _grads(lambda a, b, c: flash_attention_varlen(a, b, c, cu_q, cu_k, 50, 50, **kw), q, k, v, do)
+    expected = _grads(lambda a, b, c: twin.attention_varlen(a, b, c, cu_q, cu_k, **kw), q, k, v, do)
+    for name, g, e in zip(("o", "dq", "dk", "dv"), got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    _, lse = flash_attention_varlen(q, k, v, cu_q, cu_k, 50, 50, causal=True, return_lse=True)
+    _, expected_lse = twin.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, causal=True)
+    assert lse.shape == (2, q.shape[0])
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected_lse))
+    finite = torch.isfinite(expected_lse)
+    torch.testing.assert_close(lse[finite], expected_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_bad_inputs():
+    q, k, v, cu_q, cu_k = _packed((3, 5), (3, 5), 2, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        flash_attention_varlen(q[None], k, v, cu_q, cu_k, 5, 5)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a 1-D int32"):
+        flash_attention_varlen(q, k, v, cu_q.long(), cu_k, 5, 5)
+    with pytest.raises(ValueError, match="same length"):
+        flash_attention_varlen(q, k, v, cu_q[:2], cu_k, 5, 5)
+    with pytest.raises(TypeError, match="max_seqlen_q must be a non-negative int"):
+        flash_attention_varlen(q, k, v, cu_q, cu_k, -1, 5)

@@ -37,9 +37,21 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _head_base(ptr, b, h, stride_b, stride_h):
-    """Start of head ``h`` of batch ``b`` in a (B, H, S, D) tensor (64-bit offsets)."""
-    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+def _head_base(ptr, b, h, stride_b, stride_h, start, stride_s):
+    """Position ``start`` of head ``h`` of sequence ``b``, 64-bit offsets. Dense (B, H, S, D) tensors have
+    ``start = 0``; packed varlen (total, H, D) tensors pass ``stride_b = 0`` and the sequence's offset."""
+    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + start.to(tl.int64) * stride_s
+
+
+@triton.jit
+def _seq_bounds(cu_seqlens_ptr, b, length, VARLEN: tl.constexpr):
+    """``(start, length)`` of sequence ``b``: from the cumulative lengths when packed, else ``(0, length)``."""
+    if VARLEN:
+        start = tl.load(cu_seqlens_ptr + b)
+        length = tl.load(cu_seqlens_ptr + b + 1) - start
+    else:
+        start = b * 0
+    return start, length
 
 
 @triton.jit
@@ -150,14 +162,16 @@ def _attn_fwd_kernel(
     k_ptr,  # (B, Hkv, Sk, D)
     v_ptr,  # (B, Hkv, Sk, D)
     o_ptr,  # (B, Hq, Sq, D) output
-    lse_ptr,  # (B, Hq, Sq) fp32 output, contiguous
+    lse_ptr,  # (B, Hq, Sq) fp32 output; packed: (Hq, total_q)
+    cu_seqlens_q, cu_seqlens_k,  # packed batches: (B + 1,) int32 cumulative lengths (VARLEN)
+    stride_lb, stride_lh,  # lse strides (batch, head); 1 along the sequence
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_os, stride_od,
     Hq,
     GROUP,  # Hq // Hkv
-    Sq,
+    Sq,  # packed: unused (each sequence's lengths come from the cumulative lengths)
     Sk,
     D,
     scale_log2,  # softmax_scale * log2(e)
@@ -174,19 +188,24 @@ def _attn_fwd_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,  # D == BLOCK_D: no mask on the head dim
     DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed (total, H, D) sequences delimited by cu_seqlens_q / cu_seqlens_k
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUP
+    q_start, Sq = _seq_bounds(cu_seqlens_q, b, Sq, VARLEN)
+    k_start, Sk = _seq_bounds(cu_seqlens_k, b, Sk, VARLEN)
+    if pid_m * BLOCK_M >= Sq:  # packed: the grid covers the longest sequence
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(_head_base(q_ptr, b, h, stride_qb, stride_qh), offs_m, stride_qs, offs_d, stride_qd, Sq, D,
-                   True, EVEN_D)
-    k_base = _head_base(k_ptr, b, hk, stride_kb, stride_kh)
-    v_base = _head_base(v_ptr, b, hk, stride_vb, stride_vh)
+    q = _load_rows(_head_base(q_ptr, b, h, stride_qb, stride_qh, q_start, stride_qs), offs_m, stride_qs, offs_d,
+                   stride_qd, Sq, D, True, EVEN_D)
+    k_base = _head_base(k_ptr, b, hk, stride_kb, stride_kh, k_start, stride_ks)
+    v_base = _head_base(v_ptr, b, hk, stride_vb, stride_vh, k_start, stride_vs)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -211,35 +230,41 @@ def _attn_fwd_kernel(
     seen = l_i > 0.0
     safe_l = tl.where(seen, l_i, 1.0)
     o = tl.where(seen[:, None], acc / safe_l[:, None], 0.0)
-    o_ptrs = _head_base(o_ptr, b, h, stride_ob, stride_oh) + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
+    o_ptrs = _head_base(o_ptr, b, h, stride_ob, stride_oh, q_start, stride_os) + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < Sq)[:, None] & (offs_d < D)[None, :])
     lse = tl.where(seen, (m_i + tl.math.log2(safe_l)) * _LN2, float("-inf"))  # to natural log
-    tl.store(lse_ptr + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=offs_m < Sq)
+    tl.store(_head_base(lse_ptr, b, h, stride_lb, stride_lh, q_start, 1) + offs_m, lse, mask=offs_m < Sq)
 
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
     o_ptr, do_ptr,  # (B, Hq, Sq, D), any strides
-    delta_ptr,  # (B, Hq, Sq) fp32 output, contiguous
+    delta_ptr,  # (B, Hq, Sq) fp32 output, laid out as the lse
+    cu_seqlens_q,
+    stride_lb, stride_lh,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_dob, stride_doh, stride_dos, stride_dod,
     Hq, Sq, D,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
+    q_start, Sq = _seq_bounds(cu_seqlens_q, b, Sq, VARLEN)
+    if pid_m * BLOCK_M >= Sq:
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(_head_base(o_ptr, b, h, stride_ob, stride_oh), offs_m, stride_os, offs_d, stride_od, Sq, D,
+    o = _load_rows(_head_base(o_ptr, b, h, stride_ob, stride_oh, q_start, stride_os), offs_m, stride_os, offs_d, stride_od, Sq, D,
                    True, EVEN_D)
-    do = _load_rows(_head_base(do_ptr, b, h, stride_dob, stride_doh), offs_m, stride_dos, offs_d, stride_dod, Sq, D,
+    do = _load_rows(_head_base(do_ptr, b, h, stride_dob, stride_doh, q_start, stride_dos), offs_m, stride_dos, offs_d, stride_dod, Sq, D,
                     True, EVEN_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(delta_ptr + pid_bh.to(tl.int64) * Sq + offs_m, delta, mask=offs_m < Sq)
+    tl.store(_head_base(delta_ptr, b, h, stride_lb, stride_lh, q_start, 1) + offs_m, delta, mask=offs_m < Sq)
 
 
 @triton.jit
@@ -278,12 +303,15 @@ def _attn_bwd_dkdv_inner(
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,
-    lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32, contiguous
-    dk_ptr, dv_ptr,  # (B, Hkv, Sk, D) outputs, contiguous
+    lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32; packed: (Hq, total_q)
+    dk_ptr, dv_ptr,  # outputs, laid out as k
+    cu_seqlens_q, cu_seqlens_k,
+    stride_lb, stride_lh,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,  # dk and dv share one layout
     Hq, Hkv, GROUP, Sq, Sk, D,
     scale,
     LEFT, RIGHT,
@@ -296,19 +324,24 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     n0 = pid_n * BLOCK_N
+    q_start, Sq = _seq_bounds(cu_seqlens_q, b, Sq, VARLEN)
+    k_start, Sk = _seq_bounds(cu_seqlens_k, b, Sk, VARLEN)
+    if n0 >= Sk:
+        return
     keys = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(_head_base(k_ptr, b, hk, stride_kb, stride_kh), keys, stride_ks, offs_d, stride_kd, Sk, D,
-                   True, EVEN_D)
-    v = _load_rows(_head_base(v_ptr, b, hk, stride_vb, stride_vh), keys, stride_vs, offs_d, stride_vd, Sk, D,
-                   True, EVEN_D)
+    k = _load_rows(_head_base(k_ptr, b, hk, stride_kb, stride_kh, k_start, stride_ks), keys, stride_ks, offs_d,
+                   stride_kd, Sk, D, True, EVEN_D)
+    v = _load_rows(_head_base(v_ptr, b, hk, stride_vb, stride_vh, k_start, stride_vs), keys, stride_vs, offs_d,
+                   stride_vd, Sk, D, True, EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     scale_log2 = scale * _LOG2E
@@ -334,11 +367,11 @@ def _attn_bwd_dkdv_kernel(
     full_hi = tl.maximum(tl.minimum(full_hi, end_m), full_lo)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_base = _head_base(q_ptr, b, h, stride_qb, stride_qh)
-        do_base = _head_base(do_ptr, b, h, stride_dob, stride_doh)
+        q_base = _head_base(q_ptr, b, h, stride_qb, stride_qh, q_start, stride_qs)
+        do_base = _head_base(do_ptr, b, h, stride_dob, stride_doh, q_start, stride_dos)
         bh = b * Hq + h
-        lse_base = lse_ptr + bh.to(tl.int64) * Sq
-        delta_base = delta_ptr + bh.to(tl.int64) * Sq
+        lse_base = _head_base(lse_ptr, b, h, stride_lb, stride_lh, q_start, 1)
+        delta_base = _head_base(delta_ptr, b, h, stride_lb, stride_lh, q_start, 1)
         if HAS_RIGHT:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                           stride_qs, stride_qd, stride_dos, stride_dod, start_m, full_lo,
@@ -356,10 +389,12 @@ def _attn_bwd_dkdv_kernel(
                                           offs_m, keys, offs_d, Sq, D, lo_shift, hi_shift, scale_log2,
                                           True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
                                           n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
-    out = (b * Hkv + hk).to(tl.int64) * Sk * D + keys[:, None] * D + offs_d[None, :]
+    tile = keys[:, None] * stride_dks + offs_d[None, :] * stride_dkd
     mask = (keys < Sk)[:, None] & (offs_d < D)[None, :]
-    tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
-    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=mask)
+    tl.store(_head_base(dk_ptr, b, hk, stride_dkb, stride_dkh, k_start, stride_dks) + tile,
+             (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
+    tl.store(_head_base(dv_ptr, b, hk, stride_dkb, stride_dkh, k_start, stride_dks) + tile,
+             dv.to(dv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -393,11 +428,14 @@ def _attn_bwd_dq_inner(
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,
     lse_ptr, delta_ptr,
-    dq_ptr,  # (B, Hq, Sq, D) output, contiguous
+    dq_ptr,  # output, laid out as q
+    cu_seqlens_q, cu_seqlens_k,
+    stride_lb, stride_lh,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
     Hq, GROUP, Sq, Sk, D,
     scale,
     LEFT, RIGHT,
@@ -410,25 +448,31 @@ def _attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUP
+    q_start, Sq = _seq_bounds(cu_seqlens_q, b, Sq, VARLEN)
+    k_start, Sk = _seq_bounds(cu_seqlens_k, b, Sk, VARLEN)
+    if pid_m * BLOCK_M >= Sq:
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_mask = offs_m < Sq
-    q = _load_rows(_head_base(q_ptr, b, h, stride_qb, stride_qh), offs_m, stride_qs, offs_d, stride_qd, Sq, D,
-                   True, EVEN_D)
-    do = _load_rows(_head_base(do_ptr, b, h, stride_dob, stride_doh), offs_m, stride_dos, offs_d, stride_dod, Sq, D,
-                    True, EVEN_D)
-    lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * Sq + offs_m, mask=row_mask, other=float("inf"))
+    q = _load_rows(_head_base(q_ptr, b, h, stride_qb, stride_qh, q_start, stride_qs), offs_m, stride_qs, offs_d,
+                   stride_qd, Sq, D, True, EVEN_D)
+    do = _load_rows(_head_base(do_ptr, b, h, stride_dob, stride_doh, q_start, stride_dos), offs_m, stride_dos, offs_d,
+                    stride_dod, Sq, D, True, EVEN_D)
+    lse = tl.load(_head_base(lse_ptr, b, h, stride_lb, stride_lh, q_start, 1) + offs_m, mask=row_mask,
+                  other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
-    delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * Sq + offs_m, mask=row_mask, other=0.0)
-    k_base = _head_base(k_ptr, b, hk, stride_kb, stride_kh)
-    v_base = _head_base(v_ptr, b, hk, stride_vb, stride_vh)
+    delta = tl.load(_head_base(delta_ptr, b, h, stride_lb, stride_lh, q_start, 1) + offs_m, mask=row_mask, other=0.0)
+    k_base = _head_base(k_ptr, b, hk, stride_kb, stride_kh, k_start, stride_ks)
+    v_base = _head_base(v_ptr, b, hk, stride_vb, stride_vh, k_start, stride_vs)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     scale_log2 = scale * _LOG2E
     diag = Sk - Sq
@@ -449,5 +493,6 @@ def _attn_bwd_dq_kernel(
                             full_hi, end, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
                             True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
                             pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
-    out = pid_bh.to(tl.int64) * Sq * D + offs_m[:, None] * D + offs_d[None, :]
-    tl.store(dq_ptr + out, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_d < D)[None, :])
+    dq_ptrs = (_head_base(dq_ptr, b, h, stride_dqb, stride_dqh, q_start, stride_dqs)
+               + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd)
+    tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_d < D)[None, :])

@@ -96,121 +96,173 @@ def _dropout_args(dropout_p: float, seed: int) -> dict:
             "inv_keep": 1.0 / (1.0 - dropout_p), "DROPOUT": True}
 
 
-def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict, drop: dict = _NO_DROPOUT, *,
-                traceable=False):
-    b, hq, sq, d = q.shape
+def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(batch, head, seq, dim) strides: a dense (B, H, S, D) tensor's own, or a packed (total, H, D) one's
+    with batch stride 0 (the sequence offset comes from the cumulative lengths)."""
+    if t.dim() == 4:
+        return tuple(t.stride())
+    return 0, t.stride(1), t.stride(0), t.stride(2)
+
+
+def _dims(q, k, varlen) -> tuple[int, int, int, int, int, int]:
+    """``(batch, Hq, Hkv, Sq, Sk, D)``; packed: Sq/Sk are the longest sequence's (they size the grid)."""
+    if varlen is None:
+        return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    cu_q, _, max_sq, max_sk = varlen
+    return cu_q.numel() - 1, q.shape[1], k.shape[1], max_sq, max_sk, q.shape[2]
+
+
+def _seq_args(lse, varlen) -> tuple:
+    """The kernels' (cu_seqlens_q, cu_seqlens_k, stride_lb, stride_lh) for a (B, Hq, Sq) or (Hq, total_q)
+    statistic ``lse``. Dense launches pass ``lse`` itself as the never-read cumulative lengths."""
+    if varlen is None:
+        return lse, lse, lse.stride(0), lse.stride(1)
+    return varlen[0], varlen[1], 0, lse.stride(0)
+
+
+def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict, drop: dict = _NO_DROPOUT,
+                varlen=None, *, traceable=False):
+    b, hq, hkv, sq, sk, d = _dims(q, k, varlen)
     grid = (cdiv(sq, cfg["BLOCK_M"]), b * hq)
     kernel_for(_attn_fwd_kernel, traceable=traceable)[grid](
-        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        hq, hq // k.shape[1], sq, k.shape[2], d, scale * 1.4426950408889634,
-        DOT_PRECISION=_precision(q.dtype), **_band(left, right), **drop, **cfg,
+        q, k, v, o, lse, *_seq_args(lse, varlen), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        hq, hq // hkv, sq, sk, d, scale * 1.4426950408889634,
+        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **_band(left, right), **drop, **cfg,
     )
 
 
-def _launch_bwd_preprocess(o, do, delta, *, traceable=False):
-    b, hq, sq, d = o.shape
+def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False):
+    b, hq, _, sq, _, d = _dims(o, o, varlen)
     block_d = _block_d(d)
     block_m = max(16, min(128, 8192 // block_d))
+    cu_q, _, stride_lb, stride_lh = _seq_args(delta, varlen)
     kernel_for(_attn_bwd_preprocess_kernel, traceable=traceable)[(cdiv(sq, block_m), b * hq)](
-        o, do, delta, *o.stride(), *do.stride(), hq, sq, d, BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=d == block_d,
+        o, do, delta, cu_q, stride_lb, stride_lh, *_strides(o), *_strides(do), hq, sq, d,
+        BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=d == block_d, VARLEN=varlen is not None,
     )
 
 
 def _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, left: int, right: int, scale: float, cfg: dict,
-                     drop: dict = _NO_DROPOUT, *, traceable=False):
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+                     drop: dict = _NO_DROPOUT, varlen=None, *, traceable=False):
+    b, hq, hkv, sq, sk, d = _dims(q, k, varlen)
     kernel_for(_attn_bwd_dkdv_kernel, traceable=traceable)[(cdiv(sk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        hq, hkv, hq // hkv, sq, sk, d, scale, DOT_PRECISION=_precision(q.dtype), **_band(left, right), **drop,
-        **cfg,
+        q, k, v, do, lse, delta, dk, dv, *_seq_args(lse, varlen),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+        hq, hkv, hq // hkv, sq, sk, d, scale,
+        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **_band(left, right), **drop, **cfg,
     )
 
 
 def _launch_bwd_dq(do, q, k, v, lse, delta, dq, left: int, right: int, scale: float, cfg: dict,
-                   drop: dict = _NO_DROPOUT, *, traceable=False):
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
+                   drop: dict = _NO_DROPOUT, varlen=None, *, traceable=False):
+    b, hq, hkv, sq, sk, d = _dims(q, k, varlen)
     kernel_for(_attn_bwd_dq_kernel, traceable=traceable)[(cdiv(sq, cfg["BLOCK_M"]), b * hq)](
-        q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        hq, hq // hkv, sq, sk, d, scale, DOT_PRECISION=_precision(q.dtype), **_band(left, right), **drop, **cfg,
+        q, k, v, do, lse, delta, dq, *_seq_args(lse, varlen),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        hq, hq // hkv, sq, sk, d, scale,
+        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **_band(left, right), **drop, **cfg,
     )
 
 
-def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: int = 0, *,
+def _twin_forward(q, k, v, left, right, scale, dropout_p, seed, varlen):
+    kw = {"window_size": (left, right), "softmax_scale": scale, "dropout_p": dropout_p, "seed": seed}
+    if varlen is None:
+        return twin.flash_attention_forward(q, k, v, **kw)
+    return twin.flash_attention_varlen_forward(q, k, v, varlen[0], varlen[1], **kw)
+
+
+def _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen):
+    kw = {"window_size": (left, right), "softmax_scale": scale, "dropout_p": dropout_p, "seed": seed}
+    if varlen is None:
+        return twin.flash_attention_backward(do, q, k, v, o, lse, **kw)
+    return twin.flash_attention_varlen_backward(do, q, k, v, o, lse, varlen[0], varlen[1], **kw)
+
+
+def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: int = 0, varlen=None, *,
               traceable=False):
-    b, hq, sq, d = q.shape
+    """``(o, lse)``: o laid out as q (contiguous); lse (B, Hq, Sq), or (Hq, total_q) when packed."""
     if backend_for(q) == "reference":
-        o, lse = twin.flash_attention_forward(q, k, v, window_size=(left, right), softmax_scale=scale,
-                                              dropout_p=dropout_p, seed=seed)
+        o, lse = _twin_forward(q, k, v, left, right, scale, dropout_p, seed, varlen)
         return o, lse.float()
+    b, hq, _, _, _, d = _dims(q, k, varlen)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
-    if nothing_to_launch(q) or k.shape[2] == 0:
+    stats_shape = (b, hq, q.shape[2]) if varlen is None else (hq, q.shape[0])
+    lse = torch.empty(stats_shape, device=q.device, dtype=torch.float32)
+    if nothing_to_launch(q) or k.numel() == 0 or b == 0:
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
     _launch_fwd(q, k, v, o, lse, left, right, scale, _config("fwd", d, q.dtype), _dropout_args(dropout_p, seed),
-                traceable=traceable)
+                varlen, traceable=traceable)
     return o, lse
 
 
-def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: int = 0, *,
-              traceable=False):
-    if backend_for(q) == "reference" or (q.dtype == torch.float32 and _block_d(q.shape[3]) > _FP32_MAX_KERNEL_BWD_DIM):
-        return twin.flash_attention_backward(do, q, k, v, o, lse, window_size=(left, right), softmax_scale=scale,
-                                             dropout_p=dropout_p, seed=seed)
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    if nothing_to_launch(q) or sk == 0:
-        return (torch.zeros((b, hq, sq, d), device=q.device, dtype=q.dtype),
-                torch.zeros((b, hkv, sk, d), device=q.device, dtype=k.dtype),
-                torch.zeros((b, hkv, sk, d), device=q.device, dtype=v.dtype))
-    dq = torch.empty((b, hq, sq, d), device=q.device, dtype=q.dtype)
-    dk = torch.empty((b, hkv, sk, d), device=q.device, dtype=k.dtype)
-    dv = torch.empty((b, hkv, sk, d), device=q.device, dtype=v.dtype)
-    delta = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
-    _launch_bwd_preprocess(o, do, delta, traceable=traceable)
+def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: int = 0,
+              varlen=None, *, traceable=False):
+    """``(dq, dk, dv)``, laid out as q, k, v (contiguous)."""
+    b, _, _, _, _, d = _dims(q, k, varlen)
+    if backend_for(q) == "reference" or (q.dtype == torch.float32 and _block_d(d) > _FP32_MAX_KERNEL_BWD_DIM):
+        return _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen)
+    if nothing_to_launch(q) or k.numel() == 0 or b == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    delta = torch.empty_like(lse)
+    _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     drop = _dropout_args(dropout_p, seed)
-    _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, left, right, scale, _config("dkdv", d, q.dtype), drop,
+    _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, left, right, scale, _config("dkdv", d, q.dtype), drop, varlen,
                      traceable=traceable)
-    _launch_bwd_dq(do, q, k, v, lse, delta, dq, left, right, scale, _config("dq", d, q.dtype), drop,
+    _launch_bwd_dq(do, q, k, v, lse, delta, dq, left, right, scale, _config("dq", d, q.dtype), drop, varlen,
                    traceable=traceable)
     return dq, dk, dv
 
 
+def _varlen(cu_q, cu_k, max_sq: int, max_sk: int):
+    return None if cu_q is None else (cu_q, cu_k, max_sq, max_sk)
+
+
 class _FlashAttentionFunction(torch.autograd.Function):
-    """Eager autograd: saves q, k, v, o and the fp32 log-sum-exp (O(B·H·S) extra memory)."""
+    """Eager autograd: saves q, k, v, o and the fp32 log-sum-exp (O(B·H·S) extra memory). ``args``:
+    ``(left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``,
+    the cumulative lengths None for dense batches."""
 
     @staticmethod
-    def forward(ctx, q, k, v, left, right, scale, dropout_p, seed):
-        o, lse = _fwd_impl(q, k, v, left, right, scale, dropout_p, seed)
+    def forward(ctx, q, k, v, *args):
+        *band_drop, cu_q, cu_k, max_sq, max_sk = args
+        varlen = _varlen(cu_q, cu_k, max_sq, max_sk)
+        o, lse = _fwd_impl(q, k, v, *band_drop, varlen)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (left, right, scale, dropout_p, seed)
+        ctx.args, ctx.varlen = tuple(band_drop), varlen
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, *ctx.args, ctx.varlen)
+        return dq, dk, dv, *([None] * 9)
 
 
 @triton_op("fused_kernels::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
-                      scale: float, dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, dropout_p: float, seed: int, cu_seqlens_q: torch.Tensor | None,
+                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+                      max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Registered forward: ``(o, lse)``; the band as in ``_band`` (causal is ``window_right = 0``); ``seed``
-    is the 64-bit dropout seed as a signed int64."""
-    return _fwd_impl(q, k, v, window_left, window_right, scale, dropout_p, seed, traceable=True)
+    is the 64-bit dropout seed as a signed int64; packed batches pass their cumulative lengths."""
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _fwd_impl(q, k, v, window_left, window_right, scale, dropout_p, seed, varlen, traceable=True)
 
 
 @triton_op("fused_kernels::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, window_left: int, window_right: int, scale: float, dropout_p: float,
-                      seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      seed: int, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                      max_seqlen_q: int, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Registered backward: ``(dq, dk, dv)``."""
-    return _bwd_impl(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, traceable=True)
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _bwd_impl(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, varlen, traceable=True)
 
 
 def _setup_context(ctx, inputs, output):
@@ -224,32 +276,52 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.fused_kernels.flash_attn_bwd(do.contiguous(), q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, *([None] * 9)
 
 
 flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _validate(q, k, v) -> None:
+def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max_sq=0, max_sk=0):
+    args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk)
+    if torch.compiler.is_compiling():
+        return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, *args)
+    return _FlashAttentionFunction.apply(q, k, v, *args)
+
+
+def _resolve_dropout(dropout_p, seed, device) -> tuple[float, int]:
+    """Checked ``dropout_p`` and the seed as the ops carry it (signed int64; drawn when None)."""
+    dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
+    if dropout_p == 0.0:
+        return 0.0, 0
+    seed = draw_seed(device) if seed is None else check_seed("seed", seed)
+    return dropout_p, seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def _validate(q, k, v, *, packed: bool = False) -> None:
+    """Shape/dtype/device checks shared by the dense (B, H, S, D) and packed (total, H, D) entry points."""
+    rank, layout = (3, "(total_tokens, heads, head_dim)") if packed else (4, "(batch, heads, seq, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {list(t.shape)}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {list(t.shape)}")
         check_float_dtype(name, t)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check_same_device(q=q, k=k, v=v)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
-    if q.shape[0] != k.shape[0]:
+    if not packed and q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"the number of query heads ({q.shape[1]}) must be a multiple of the number of "
-                         f"key/value heads ({k.shape[1]})")
-    if not 1 <= q.shape[3] <= _MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be between 1 and {_MAX_HEAD_DIM}, got {q.shape[3]}")
+    heads, d, d_k = (q.shape[-2], q.shape[-1], k.shape[-1]) if packed else (q.shape[1], q.shape[3], k.shape[3])
+    kv_heads = k.shape[-2] if packed else k.shape[1]
+    if d != d_k:
+        raise ValueError(f"q and k must have the same head dim, got {d} and {d_k}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"the number of query heads ({heads}) must be a multiple of the number of "
+                         f"key/value heads ({kv_heads})")
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be between 1 and {_MAX_HEAD_DIM}, got {d}")
 
 
 def _window(window_size, causal: bool) -> tuple[int, int]:
@@ -287,20 +359,43 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     """
     _validate(q, k, v)
     left, right = _window(window_size, bool(causal))
-    dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
-    if dropout_p > 0.0:
-        seed = draw_seed(q.device) if seed is None else check_seed("seed", seed)
-        seed = seed - (1 << 64) if seed >= (1 << 63) else seed  # op schemas carry int64
-    else:
-        seed = 0
+    dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    if torch.compiler.is_compiling():
-        o, lse = torch.ops.fused_kernels.flash_attn_fwd(q, k, v, left, right, scale, dropout_p, seed)
-    else:
-        o, lse = _FlashAttentionFunction.apply(q, k, v, left, right, scale, dropout_p, seed)
+    o, lse = _run(q, k, v, left, right, scale, dropout_p, seed)
     return (o, lse) if return_lse else o
 
 
-def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
-    """Packed variable-length batches: not implemented yet (the attention-extras issue)."""
-    raise NotImplementedError("flash_attention_varlen comes with the attention-extras issue")
+def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    _validate(q, k, v, packed=True)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, cu)
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            raise TypeError(f"{name} must be a 1-D int32 tensor of cumulative lengths (batch + 1 entries), got "
+                            f"{cu.dtype} of shape {list(cu.shape)}")
+    check_same_device(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_seqlens_q.numel()} and "
+                         f"{cu_seqlens_k.numel()}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise TypeError(f"{name} must be a non-negative int, got {m!r}")
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                           softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1), return_lse=False):
+    """FlashAttention-2 over packed variable-length batches, without padding.
+
+    q ``(total_q, Hq, D)``, k/v ``(total_k, Hkv, D)``: sequence ``b`` is rows ``cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]`` of k/v (int32 cumulative
+    lengths, ``batch + 1`` entries starting at 0). ``max_seqlen_q/k`` bound the lengths (they size the
+    grid; a smaller value than the true maximum leaves rows unwritten, so pass the real maximum). Each
+    sequence is attended alone, with the masks and dropout of :func:`flash_attention` (sequence ``b``
+    draws the dropout mask of batch row ``b``). ``return_lse`` adds the log-sum-exp as ``(Hq, total_q)``.
+    """
+    _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    left, right = _window(window_size, bool(causal))
+    dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    o, lse = _run(q, k, v, left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                  int(max_seqlen_k))
+    return (o, lse) if return_lse else o
