@@ -7,7 +7,7 @@ import torch.nn.functional as F
 SDPA_BACKENDS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 
 
-def sdpa_attention(provider: str, causal: bool):
+def sdpa_attention(provider: str, causal: bool, dropout_p: float = 0.0):
     """``F.scaled_dot_product_attention`` forced onto one backend (``provider`` in ``SDPA_BACKENDS``).
     A backend that cannot take the inputs raises ``RuntimeError`` ("No available kernel")."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -17,6 +17,6 @@ def sdpa_attention(provider: str, causal: bool):
 
     def run(q, k, v):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p)
 
     return run

@@ -16,7 +16,7 @@ import torch
 import reference.attention as twin
 from benchmarks._harness import SMOKE
 from benchmarks._peers import sdpa_attention
-from kernels.attention import flash_attention
+from kernels.attention import flash_attention, flash_attention_varlen
 from tests._mode import DEVICE
 
 PROVIDERS = ["ours", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "naive"]
@@ -103,6 +103,18 @@ def test_attention(measure, provider, b, h, s, d, dtype, causal, direction):
 WINDOW = 1024
 
 
+def _runner(fn, q, k, v, direction: str, flops: float):
+    """``(run, grad_to_none, flops)`` timing the forward, or the backward alone (2.5x the forward's FLOPs)."""
+    if direction == "fwd":
+        fn(q, k, v)
+        return functools.partial(fn, q, k, v), None, flops
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out = fn(q, k, v)
+    do = torch.randn_like(out)
+    return (lambda: out.backward(do, retain_graph=True)), [q, k, v], flops * 2.5
+
+
 def _visible_pairs(s: int, window: int) -> int:
     """(query, key) pairs a causal band of ``window`` keys before each query keeps (window < 0: all causal)."""
     if window < 0:
@@ -131,15 +143,58 @@ def test_attention_sliding_window(measure, provider, b, h, s, d, dtype, directio
         fn = _flex(s, True, window)
     q, k, v = (torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for _ in range(3))
     flops = 4.0 * b * h * d * _visible_pairs(s, -1 if provider == "ours-full-causal" else window)
-    if direction == "fwd":
-        fn(q, k, v)
-        run, grad_to_none = functools.partial(fn, q, k, v), None
-    else:
-        for t in (q, k, v):
-            t.requires_grad_(True)
-        out = fn(q, k, v)
-        do = torch.randn_like(out)
-        run, grad_to_none = (lambda: out.backward(do, retain_graph=True)), [q, k, v]
-        flops *= 2.5
+    run, grad_to_none, flops = _runner(fn, q, k, v, direction, flops)
     measure(run, grad_to_none=grad_to_none, family="attention-window", provider=provider, direction=direction,
             dtype=dtype, shape={"B": b, "H": h, "S": s, "D": d, "window": window}, x_key="D", flops=flops)
+
+
+def _varlen_lengths(n: int, lo: int, hi: int) -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("dtype", [torch.float32] if SMOKE else [torch.float16, torch.bfloat16],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("provider", ["ours", "sdpa-flash-padded"])
+def test_attention_varlen(measure, provider, dtype, direction):
+    """Causal attention over 16 sequences of 256-4096 tokens (H=16, D=128): ours packed against SDPA's
+    flash backend on the zero-padded batch. FLOPs count each sequence's own causal work, for both."""
+    lengths = [5, 17, 32] if SMOKE else _varlen_lengths(16, 256, 4096)
+    h, d = (2, 16) if SMOKE else (16, 128)
+    if provider != "ours" and SMOKE:
+        pytest.skip(f"{provider} needs a GPU")
+    total, longest = sum(lengths), max(lengths)
+    flops = sum(4.0 * h * d * n * (n + 1) / 2 for n in lengths)
+    if provider == "ours":
+        q, k, v = (torch.randn(total, h, d, device=DEVICE, dtype=dtype) for _ in range(3))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        fn = lambda a, b, c: flash_attention_varlen(a, b, c, cu, cu, longest, longest, causal=True)
+    else:
+        q, k, v = (torch.randn(len(lengths), h, longest, d, device=DEVICE, dtype=dtype) for _ in range(3))
+        fn = sdpa_attention("sdpa-flash", True)
+    run, grad_to_none, flops = _runner(fn, q, k, v, direction, flops)
+    measure(run, grad_to_none=grad_to_none, family="attention-varlen", provider=provider, direction=direction,
+            dtype=dtype, shape={"sequences": len(lengths), "tokens": total, "H": h, "D": d}, x_key="D", flops=flops)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize(("b", "h", "s", "d", "dtype"),
+                         [(2, 2, 64, 16, torch.float32)] if SMOKE else
+                         [(4, 2048 // d, 4096, d, dt) for dt in (torch.float16, torch.bfloat16) for d in (64, 128)],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("provider", ["ours", "sdpa-flash"])
+def test_attention_dropout(measure, provider, b, h, s, d, dtype, direction):
+    """Causal attention with dropout_p = 0.1 on the probabilities: ours against SDPA's flash backend."""
+    if provider != "ours" and SMOKE:
+        pytest.skip(f"{provider} needs a GPU")
+    if provider == "ours":
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=True, dropout_p=0.1)
+    else:
+        fn = sdpa_attention("sdpa-flash", True, dropout_p=0.1)
+
+    q, k, v = (torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for _ in range(3))
+    flops = 2.0 * b * h * s * s * d
+    run, grad_to_none, flops = _runner(fn, q, k, v, direction, flops)
+    measure(run, grad_to_none=grad_to_none, family="attention-dropout", provider=provider, direction=direction,
+            dtype=dtype, shape={"B": b, "H": h, "S": s, "D": d, "p": 0.1}, x_key="D", flops=flops)
