@@ -482,3 +482,32 @@ def test_varlen_bad_inputs():
         flash_attention_varlen(q, k, v, cu_q[:2], cu_k, 5, 5)
     with pytest.raises(TypeError, match="max_seqlen_q must be a non-negative int"):
         flash_attention_varlen(q, k, v, cu_q, cu_k, -1, 5)
+
+
+# --- registered ops and torch.compile -------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_registered_ops_pass_opcheck():
+    q, k, v = (t.to(DEVICE).requires_grad_(True) for t in _qkv(1, 4, 2, 70, 50, 64, dtype=torch.float32))
+    fwd = torch.ops.fused_kernels.flash_attn_fwd.default
+    torch.library.opcheck(fwd, (q, k, v, -1, 0, 0.125, 0.0, 0, None, None, 0, 0))
+    torch.library.opcheck(fwd, (q, k, v, 16, 4, 0.125, 0.2, -5, None, None, 0, 0))  # window, dropout, signed seed
+    qp, kp, vp, cu_q, cu_k = _packed((3, 40), (9, 30), 2, 1, 32, torch.float32)
+    qp, kp, vp = (t.requires_grad_(True) for t in (qp, kp, vp))
+    torch.library.opcheck(fwd, (qp, kp, vp, -1, 0, 0.2, 0.0, 0, cu_q, cu_k, 40, 30))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_torch_compile_fullgraph_matches_eager(dropout_p):
+    q, k, v = (t.to(DEVICE, torch.bfloat16).requires_grad_(True) for t in _qkv(2, 4, 2, 300, 300, 64,
+                                                                                  dtype=torch.float32))
+
+    def block(a, b, c):
+        return flash_attention(a, b, c, causal=True, window_size=(64, 0), dropout_p=dropout_p, seed=11).sum()
+
+    eager = torch.autograd.grad(block(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(block, fullgraph=True)(q, k, v), (q, k, v))
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)  # a different dropout mask would be O(1) off

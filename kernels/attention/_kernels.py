@@ -199,6 +199,9 @@ def _attn_fwd_kernel(
     k_start, Sk = _seq_bounds(cu_seqlens_k, b, Sk, VARLEN)
     if pid_m * BLOCK_M >= Sq:  # packed: the grid covers the longest sequence
         return
+    # Pin float scalars to fp32 (what an eager launch passes; inductor's launcher may pass them wider).
+    scale_log2 = tl.cast(scale_log2, tl.float32)
+    inv_keep = tl.cast(inv_keep, tl.float32)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -335,6 +338,8 @@ def _attn_bwd_dkdv_kernel(
     k_start, Sk = _seq_bounds(cu_seqlens_k, b, Sk, VARLEN)
     if n0 >= Sk:
         return
+    scale = tl.cast(scale, tl.float32)
+    inv_keep = tl.cast(inv_keep, tl.float32)
     keys = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -459,6 +464,8 @@ def _attn_bwd_dq_kernel(
     k_start, Sk = _seq_bounds(cu_seqlens_k, b, Sk, VARLEN)
     if pid_m * BLOCK_M >= Sq:
         return
+    scale = tl.cast(scale, tl.float32)
+    inv_keep = tl.cast(inv_keep, tl.float32)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
