@@ -45,7 +45,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   shards=()
   for f in $tests_target; do
     if [ "$(basename "$f")" = test_attention.py ]; then
-      shards+=("$f -k float16_and_not_bfloat16" "$f -k bfloat16" "$f -k not_float16_and_not_bfloat16")
+      shards+=("$f -k float16_and_not_bfloat16" "$f -k bfloat16" "$f -k float32"
+               "$f -k not_float16_and_not_bfloat16_and_not_float32")
     else
       shards+=("$f")
     fi

@@ -79,6 +79,9 @@ def main() -> None:
     parser.add_argument("--out", default="sweep_attention.jsonl")
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--seqs", default="1024,4096,16384")
+    parser.add_argument("--window", type=int, default=-1,
+                        help="causal sliding window: each query sees itself and this many keys before it "
+                             "(only the causal points run); SDPA rows then show full causal attention")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     from torch.nn.attention import SDPBackend
@@ -87,23 +90,25 @@ def main() -> None:
     with open(args.out, "w") as log:
         for d in (int(x) for x in args.dims.split(",")):
             for s in (int(x) for x in args.seqs.split(",")):
-                for causal in (False, True):
+                for causal in (False, True) if args.window < 0 else (True,):
                     b, h = 16384 // s, 2048 // d
                     q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(4))
                     scale = 1 / math.sqrt(d)
-                    right = 0 if causal else -1  # the band's right side (ops._band)
+                    left, right = args.window, 0 if causal else -1  # the band (ops._band)
                     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+                    if args.window >= 0:  # visible pairs of the band only
+                        flops = 4 * b * h * d * sum(min(i, args.window) + 1 for i in range(s))
                     o = torch.empty_like(q)
                     lse = torch.empty((b, h, s), device="cuda", dtype=torch.float32)
-                    fwd = sweep("fwd", FWD, d, lambda c: ops._launch_fwd(q, k, v, o, lse, -1, right, scale, c))
-                    ops._launch_fwd(q, k, v, o, lse, -1, right, scale, ops._config("fwd", d, dtype))
+                    fwd = sweep("fwd", FWD, d, lambda c: ops._launch_fwd(q, k, v, o, lse, left, right, scale, c))
+                    ops._launch_fwd(q, k, v, o, lse, left, right, scale, ops._config("fwd", d, dtype))
                     delta = torch.empty_like(lse)
                     pre_ms = bench(lambda: ops._launch_bwd_preprocess(o, do, delta))
                     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
                     dkdv = sweep("dkdv", DKDV, d,
-                                 lambda c: ops._launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, -1, right, scale, c))
+                                 lambda c: ops._launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, left, right, scale, c))
                     dqr = sweep("dq", DQ, d,
-                                lambda c: ops._launch_bwd_dq(do, q, k, v, lse, delta, dq, -1, right, scale, c))
+                                lambda c: ops._launch_bwd_dq(do, q, k, v, lse, delta, dq, left, right, scale, c))
                     flash = sdpa_times(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
                     cudnn = sdpa_times(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
 
