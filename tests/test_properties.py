@@ -75,14 +75,17 @@ def test_norm_kernel_is_close_to_twin(m, n, rms, affine, dtype, seed):
     sk=st.integers(1, by_mode(interpreter=80, cuda=300)),
     d=st.sampled_from([8, 16, 24, 40, 64]),
     causal=st.booleans(),
+    window=st.tuples(st.integers(-1, 40), st.integers(-1, 40)),
+    dropout_p=st.sampled_from([0.0, 0.0, 0.3]),
     seed=st.integers(0, 1000),
 )
-def test_attention_kernel_is_close_to_twin(b, hkv, group, sq, sk, d, causal, seed):
+def test_attention_kernel_is_close_to_twin(b, hkv, group, sq, sk, d, causal, window, dropout_p, seed):
     q = _tensor((b, hkv * group, sq, d), torch.float32, seed)
     k = _tensor((b, hkv, sk, d), torch.float32, seed + 1)
     v = _tensor((b, hkv, sk, d), torch.float32, seed + 2)
-    got, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
-    expected, expected_lse = attention_twin.flash_attention_forward(q, k, v, causal=causal)
+    kw = {"causal": causal, "window_size": window, "dropout_p": dropout_p, "seed": seed}
+    got, lse = flash_attention(q, k, v, return_lse=True, **kw)
+    expected, expected_lse = attention_twin.flash_attention_forward(q, k, v, **kw)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(torch.isinf(lse), torch.isinf(expected_lse))
     finite = torch.isfinite(expected_lse)
