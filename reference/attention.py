@@ -116,25 +116,35 @@ def visible(sq: int, sk: int, *, causal: bool, window_size=(-1, -1), device=None
     return keep
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1),
-              batch_offset: int = 0):
-    """Naive ``softmax(Q Kᵀ · scale) V`` with the kernel's masks and dropout; materialises the (Sq, Sk)
-    scores."""
+def _prepare(q, k, v, *, causal, softmax_scale, window_size, dropout_p, seed, batch_offset):
+    """What every twin starts from: the checks, the scale, q and the GQA-expanded k/v in the compute
+    dtype, the (Sq, Sk) visibility mask and the (B, Hq, Sq, Sk) dropout keep mask (None without dropout)."""
     _check_dropout(dropout_p, seed)
     group, d = _check_shapes(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     ct = _compute_dtype(q)
-    kf, vf = _expand_kv(k, group).to(ct), _expand_kv(v, group).to(ct)
-    s = torch.matmul(q.to(ct), kf.transpose(-1, -2)) * scale
-    keep = visible(q.shape[2], k.shape[2], causal=causal, window_size=window_size, device=q.device)
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
+    kept = (attention_keep_mask(b, hq, sq, sk, dropout_p, seed, device=q.device, batch_offset=batch_offset)
+            if dropout_p > 0 else None)
+    return scale, ct, q.to(ct), _expand_kv(k, group).to(ct), _expand_kv(v, group).to(ct), keep, kept
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1),
+              batch_offset: int = 0):
+    """Naive ``softmax(Q Kᵀ · scale) V`` with the kernel's masks and dropout; materialises the (Sq, Sk)
+    scores."""
+    scale, _, qf, kf, vf, keep, kept = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                window_size=window_size, dropout_p=dropout_p, seed=seed,
+                                                batch_offset=batch_offset)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     sees_some = keep.any(dim=-1, keepdim=True)
     # A row that sees no key gets finite dummy scores, then weight 0: output 0 and gradient 0, not NaN.
     s = torch.where(sees_some, s.masked_fill(~keep, float("-inf")), 0.0)
     p = torch.softmax(s, dim=-1) * sees_some
-    if dropout_p > 0.0:
-        keep = attention_keep_mask(*q.shape[:3], k.shape[2], dropout_p, seed, device=q.device,
-                                   batch_offset=batch_offset)
-        p = torch.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+    if kept is not None:
+        p = torch.where(kept, p * (1.0 / (1.0 - dropout_p)), 0.0)
     return torch.matmul(p, vf).to(q.dtype)
 
 
@@ -142,19 +152,13 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
                             seed=None, batch_offset: int = 0, block_m: int = 64, block_n: int = 64):
     """FA2 forward, tiled as the kernel runs it: returns ``(o, lse)``; ``lse`` is the natural-log
     log-sum-exp per row, (B, Hq, Sq), float32 (float64 for float64 inputs)."""
-    _check_dropout(dropout_p, seed)
-    group, d = _check_shapes(q, k, v)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    ct = _compute_dtype(q)
-    b, hq, sq, _ = q.shape
+    scale, ct, qf, kf, vf, keep, kept = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                 window_size=window_size, dropout_p=dropout_p, seed=seed,
+                                                 batch_offset=batch_offset)
+    b, hq, sq, d = q.shape
     sk = k.shape[2]
-    qf = q.to(ct)
-    kf, vf = _expand_kv(k, group).to(ct), _expand_kv(v, group).to(ct)
     o = torch.zeros(b, hq, sq, d, dtype=ct, device=q.device)
     lse = torch.full((b, hq, sq), float("-inf"), dtype=ct, device=q.device)
-    keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
-    kept = (attention_keep_mask(b, hq, sq, sk, dropout_p, seed, device=q.device, batch_offset=batch_offset)
-            if dropout_p > 0 else None)
     for m0 in range(0, sq, block_m):
         rows = slice(m0, min(m0 + block_m, sq))
         q_blk = qf[:, :, rows]
@@ -188,19 +192,15 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                              dropout_p=0.0, seed=None, batch_offset: int = 0, block_m: int = 64, block_n: int = 64):
     """FA2 backward, tiled as the kernel runs it: returns ``(dq, dk, dv)`` in the inputs' dtypes."""
-    _check_dropout(dropout_p, seed)
-    group, d = _check_shapes(q, k, v)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    ct = _compute_dtype(q)
-    b, hq, sq, _ = q.shape
+    scale, ct, qf, kf, vf, keep, kept = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                 window_size=window_size, dropout_p=dropout_p, seed=seed,
+                                                 batch_offset=batch_offset)
+    b, hq, sq, d = q.shape
     sk = k.shape[2]
-    qf, dof, of = q.to(ct), do.to(ct), o.to(ct)
-    kf, vf = _expand_kv(k, group).to(ct), _expand_kv(v, group).to(ct)
+    group = hq // k.shape[1]
+    dof, of = do.to(ct), o.to(ct)
     lse_f = lse.to(ct)
     delta = (dof * of).sum(dim=-1)  # (B, Hq, Sq): the preprocess kernel
-    keep = visible(sq, sk, causal=causal, window_size=window_size, device=q.device)
-    kept = (attention_keep_mask(b, hq, sq, sk, dropout_p, seed, device=q.device, batch_offset=batch_offset)
-            if dropout_p > 0 else None)
 
     def p_and_ds(rows, cols):
         """The dropped probabilities Pd (P itself without dropout), recomputed from the saved log-sum-exp,
