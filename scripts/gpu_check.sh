@@ -5,7 +5,7 @@
 #
 # Uses the machine's own python3 (no network, no nox). Writes under $OUT (default ./gpu-out):
 #   env.txt, tests.log (summaries), tests_all.log (every shard's output), bench.log, results.tgz (benchmarks/results/<gpu>/ of this run), summary.md
-# Knobs: SKIP_TESTS=1, SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args).
+# Knobs: SHARDS=14 (test processes), SKIP_TESTS=1, SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args).
 # Exit status: non-zero when the tests or the benchmarks failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,23 +39,15 @@ cat "$OUT/env.txt"
 
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  # Shards run side by side (compiling is CPU-bound, the machine has 16 cores): one per test file, the
-  # attention file split by dtype. tests.log gathers the summaries.
+  # Shards run side by side (compiling is CPU-bound, the machine has 16 cores): SHARDS processes, each
+  # taking every SHARDS-th collected test (FK_TEST_SHARD, see tests/conftest.py). tests.log gathers the
+  # summaries.
   start=$(date +%s)
-  shards=()
-  for f in $tests_target; do
-    if [ "$(basename "$f")" = test_attention.py ]; then
-      shards+=("$f -k float16_and_not_bfloat16" "$f -k bfloat16" "$f -k float32"
-               "$f -k not_float16_and_not_bfloat16_and_not_float32")
-    else
-      shards+=("$f")
-    fi
-  done
+  shards=${SHARDS:-14}
   pids=()
-  for i in "${!shards[@]}"; do
-    read -r file flag expr <<< "${shards[$i]}"
+  for ((i = 0; i < shards; i++)); do
     # shellcheck disable=SC2086
-    python3 -m pytest "$file" ${flag:+$flag "${expr//_/ }"} -q -p no:cacheprovider ${TEST_ARGS:-} \
+    FK_TEST_SHARD="$i/$shards" python3 -m pytest $tests_target -q -p no:cacheprovider ${TEST_ARGS:-} \
       > "$OUT/tests-$i.log" 2>&1 &
     pids+=($!)
   done
@@ -63,7 +55,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}"
     rc=$?
-    { echo "== ${shards[$i]}: exit $rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-$i.log" | tail -n 20; } \
+    { echo "== shard $i/$shards: exit $rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-$i.log" | tail -n 20; } \
       | tee -a "$OUT/tests.log"
     [ "$rc" = 0 ] || [ "$rc" = 5 ] || status=1  # 5: nothing collected (no bf16 under the interpreter)
   done

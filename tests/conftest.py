@@ -3,6 +3,8 @@ imported; this file exposes it as fixtures and skips ``cuda``-marked tests in in
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,7 +17,21 @@ def pytest_report_header(config):
     return f"fused-kernels test mode: {MODE} ({name}); torch {torch.__version__}"
 
 
+def _shard(items):
+    """``FK_TEST_SHARD=i/n`` keeps every n-th collected test from the i-th: the GPU script runs n
+    processes side by side (compiling is CPU-bound), and round robin spreads the slow-to-compile
+    cases (fp32, wide heads) evenly instead of leaving them to one shard."""
+    spec = os.environ.get("FK_TEST_SHARD")
+    if not spec:
+        return items
+    index, count = (int(part) for part in spec.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"FK_TEST_SHARD={spec!r}: expected i/n with 0 <= i < n")
+    return [item for position, item in enumerate(items) if position % count == index]
+
+
 def pytest_collection_modifyitems(config, items):
+    items[:] = _shard(items)
     if not INTERPRETER:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (interpreter mode)")
