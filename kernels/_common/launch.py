@@ -39,3 +39,14 @@ def multiprocessor_count(device_index: int) -> int:
     if INTERPRETER or not torch.cuda.is_available():
         return 4
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def unused_pointer(like: torch.Tensor) -> torch.Tensor:
+    """A one-element tensor to pass for a pointer that a compile-time branch never touches.
+
+    Never pass another argument of the same launch instead: inside torch.compile a Triton launch is
+    functionalized by cloning each argument the kernel may write, one clone per argument, and the
+    caller's tensor is replaced by the clones in argument order. Two arguments sharing storage then leave
+    the caller with whichever clone came last, possibly the unwritten one (torch's own note on this is in
+    ``torch/_higher_order_ops/triton_kernel_wrap.py``, "if two kernel inputs are views of each other")."""
+    return torch.empty(1, device=like.device, dtype=torch.int32)

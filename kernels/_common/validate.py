@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 #: dtypes the kernels compute in (fp32 accumulation inside).
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -47,8 +48,19 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             )
 
 
+def concrete_scalar(value):
+    """``value`` itself, or the value of a symbolic number: torch.compile turns a float or int argument
+    that changed between calls into a ``SymFloat``/``SymInt`` ("automatic dynamic"). Our kernels take
+    integers derived from such numbers (a dropout keep threshold, Philox key words), so they are
+    specialised with a guard: a new value recompiles instead of flowing through as an expression."""
+    if isinstance(value, (int, float, torch.SymFloat, torch.SymInt)) and not isinstance(value, bool):
+        return guard_scalar(value)  # while dynamo traces, a symbolic float passes ``isinstance(_, float)``
+    return value
+
+
 def check_probability(name: str, p, *, allow_one: bool) -> float:
     """``p`` must be a real number in [0, 1] (or [0, 1) when ``allow_one`` is False); NaN is refused."""
+    p = concrete_scalar(p)
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(p).__name__}")
     p = float(p)
@@ -63,6 +75,7 @@ def check_seed(name: str, seed) -> int | None:
     """``seed`` must be None or an integer in [0, 2**64)."""
     if seed is None:
         return None
+    seed = concrete_scalar(seed)
     if isinstance(seed, torch.Tensor) and seed.numel() == 1 and not seed.is_floating_point():
         seed = int(seed.item())
     if isinstance(seed, bool) or not isinstance(seed, int):

@@ -27,6 +27,7 @@ from kernels._common import (
     draw_seed,
     kernel_for,
     nothing_to_launch,
+    unused_pointer,
 )
 from kernels.attention._kernels import (
     _attn_bwd_dkdv_kernel,
@@ -114,9 +115,10 @@ def _dims(q, k, varlen) -> tuple[int, int, int, int, int, int]:
 
 def _seq_args(lse, varlen) -> tuple:
     """The kernels' (cu_seqlens_q, cu_seqlens_k, stride_lb, stride_lh) for a (B, Hq, Sq) or (Hq, total_q)
-    statistic ``lse``. Dense launches pass ``lse`` itself as the never-read cumulative lengths."""
+    statistic ``lse``. Dense launches pass a never-read placeholder for the cumulative lengths."""
     if varlen is None:
-        return lse, lse, lse.stride(0), lse.stride(1)
+        unused = unused_pointer(lse)
+        return unused, unused, lse.stride(0), lse.stride(1)
     return varlen[0], varlen[1], 0, lse.stride(0)
 
 

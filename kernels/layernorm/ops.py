@@ -38,6 +38,7 @@ from kernels._common import (
     kernel_for,
     multiprocessor_count,
     nothing_to_launch,
+    unused_pointer,
 )
 from kernels.layernorm._kernels import (
     _layer_norm_bwd_columns_kernel,
@@ -103,8 +104,8 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, traceable=False):
     cfg = _fwd_config(n)
     grid = (cdiv(m, cfg["BLOCK_M"]),)
     kernel_for(_layer_norm_fwd_kernel, traceable=traceable)[grid](
-        x, y, weight if weight is not None else x, bias if bias is not None else x,
-        mean if not is_rms else rstd, rstd, m, n, x.stride(0), y.stride(0), eps,
+        x, y, weight if weight is not None else unused_pointer(x), bias if bias is not None else unused_pointer(x),
+        mean, rstd, m, n, x.stride(0), y.stride(0), eps,
         IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **cfg,
     )
     return y, mean, rstd
@@ -141,7 +142,7 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         locks = torch.zeros(2 * slots if not deterministic else 1, device=x.device, dtype=torch.int32)
         counts = locks[slots:] if not deterministic else locks
         kernel_for(_layer_norm_bwd_kernel, traceable=traceable)[(programs,)](
-            x, dy, dx, weight if need_dw else x, mean if not is_rms else rstd, rstd, partial, locks, counts,
+            x, dy, dx, weight if need_dw else unused_pointer(x), mean, rstd, partial, locks, counts,
             m, n, x.stride(0), dy.stride(0), dx.stride(0), rows_per_program, slots,
             IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db, DETERMINISTIC=deterministic, **cfg,
         )
@@ -150,7 +151,7 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         c1 = torch.empty(m, device=x.device, dtype=torch.float32)
         c2 = torch.empty(m, device=x.device, dtype=torch.float32)
         kernel_for(_layer_norm_bwd_row_terms_kernel, traceable=traceable)[(m,)](
-            x, dy, weight if need_dw else x, mean if not is_rms else rstd, rstd, c1, c2, m, n, x.stride(0),
+            x, dy, weight if need_dw else unused_pointer(x), mean, rstd, c1, c2, m, n, x.stride(0),
             dy.stride(0), IS_RMS=is_rms, HAS_WEIGHT=need_dw, BLOCK_M=1, BLOCK_N=_CHUNK, num_warps=8,
         )
         col_blocks = cdiv(n, _WIDE_COLUMNS)
@@ -161,7 +162,7 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         slots = row_groups
         partial = torch.empty((slots, 2, n) if need_partial else (0,), device=x.device, dtype=torch.float32)
         kernel_for(_layer_norm_bwd_columns_kernel, traceable=traceable)[(col_blocks, row_groups)](
-            x, dy, dx, weight if need_dw else x, mean if not is_rms else rstd, rstd, c1, c2, partial, m, n,
+            x, dy, dx, weight if need_dw else unused_pointer(x), mean, rstd, c1, c2, partial, m, n,
             x.stride(0), dy.stride(0), dx.stride(0), rows_per_program, IS_RMS=is_rms, HAS_WEIGHT=need_dw,
             NEED_DB=need_db, BLOCK_M=block_m, BLOCK_N=_WIDE_COLUMNS, num_warps=8,
         )
