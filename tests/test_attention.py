@@ -322,8 +322,8 @@ def test_kernel_block_boundaries(monkeypatch, blocks, causal, sq, sk, window):
 
     real_config = ops._config
 
-    def small_blocks(kernel, d, dtype):
-        return {**real_config(kernel, d, dtype), "BLOCK_M": blocks[0], "BLOCK_N": blocks[1], "num_stages": 1}
+    def small_blocks(kernel, d, dtype, *band):
+        return {**real_config(kernel, d, dtype, *band), "BLOCK_M": blocks[0], "BLOCK_N": blocks[1], "num_stages": 1}
 
     monkeypatch.setattr(ops, "_config", small_blocks)
     q, k, v = (t.to(DEVICE) for t in _qkv(1, 2, 1, sq, sk, 16, dtype=torch.float32))
@@ -515,3 +515,13 @@ def test_torch_compile_fullgraph_matches_eager():
         compiled = torch.autograd.grad(torch.compile(block, fullgraph=True)(q, k, v), (q, k, v))
         for a, b in zip(eager, compiled, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)  # a different dropout mask would be O(1) off
+
+
+def test_narrow_band_launch_table_applies_only_to_short_bounded_bands():
+    import kernels.attention.ops as ops
+
+    wide = ops._config("fwd", 128, torch.float16)
+    assert ops._config("fwd", 128, torch.float16, 1024, 0)["BLOCK_M"] == ops._NARROW_BAND_CONFIGS["fwd"][128][0]
+    assert ops._config("fwd", 128, torch.float16, 4096, 0) == wide  # a long band is full attention's case
+    assert ops._config("fwd", 128, torch.float16, 1024, -1) == wide  # one side unbounded
+    assert ops._config("fwd", 128, torch.float32, 1024, 0) == ops._config("fwd", 128, torch.float32)
