@@ -158,8 +158,8 @@ def _metric(records: list[dict]) -> str:
 
 
 def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras: Sequence[str] = ()) -> str:
-    """One row per point, one column per provider (the metric), then ours' ratio to the best peer and
-    ours' fraction of the ceiling."""
+    """One row per point, one column per provider (the metric), then ours' ratio to the best peer (any
+    provider not named ``ours*``) and ours' fraction of the ceiling."""
     metric = _metric(records)
     unit = "GB/s" if metric == "gbps" else "TFLOP/s"
     shape_keys = _shape_keys(records, set(extras))
@@ -194,7 +194,8 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         for prov in providers:
             rec = by_provider.get(prov)
             cells.append(f"{rec[metric]:.1f}" if rec else "–")
-        peers = [rec[metric] for prov, rec in by_provider.items() if prov != "ours"]
+        # Variants of ours (e.g. "ours-full-causal", a reference point) are not peers.
+        peers = [rec[metric] for prov, rec in by_provider.items() if not prov.startswith("ours")]
         ours = by_provider.get("ours")
         if ours and peers:
             cells.append(f"{ours[metric] / max(peers):.2f}x")
