@@ -77,6 +77,16 @@ def test_matches_torch_within_its_own_error(kind, dtype, m, n):
     _check_against_torch(kind, x, w, b if kind == "layer" else None, dy, 1e-5)
 
 
+@pytest.mark.parametrize("offset", [300.0, -2000.0], ids=str)
+@pytest.mark.parametrize("n", [1000, 20000], ids=str)  # one tile; the chunked path
+def test_offset_rows_keep_their_variance_in_fp16(offset, n):
+    """Rows far from zero (mean / std up to ~2000, fp16's limit): a one-pass variance E[x^2] - mean^2 in
+    fp32 fails here (checked), the kernel's must match torch within its own error."""
+    x = (torch.randn(3, n, device=DEVICE) + offset).to(torch.float16)
+    w, dy = torch.rand(n, device=DEVICE) + 0.5, torch.randn(3, n, device=DEVICE).to(torch.float16)
+    _check_against_torch("layer", x, w, torch.randn(n, device=DEVICE), dy, 1e-5)
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize(("m", "n"), [(5, 7), (3, 1000), (2, 20000)], ids=str)
 def test_kernel_equals_twin(kind, m, n):

@@ -148,6 +148,37 @@ def _add_partial(
 
 
 @triton.jit
+def _bwd_tile(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w, rows, rows64, row_mask, cols, mask, stride_x_row,
+              stride_dy_row, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """One (rows x cols) tile of the backward in fp32: ``dy``, ``xhat`` (0 outside the tile), ``g = dy * w``
+    and the rows' ``rstd``. ``w`` is the columns' weight in fp32 (ignored without HAS_WEIGHT)."""
+    x = tl.load(x_ptr + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    if IS_RMS:
+        xhat = x * rstd[:, None]
+    else:
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    if HAS_WEIGHT:
+        # A select, not a bare product: `g - c1` must not contract to fma(dy, w, -c1), whose unrounded
+        # product leaves dx = ulp * rstd where it must be 0 (N = 1, constant rows).
+        g = tl.where(mask, dy * w[None, :], 0.0)
+    else:
+        g = dy
+    return dy, xhat, g, rstd
+
+
+@triton.jit
+def _dx_from_row_terms(g, xhat, rstd, c1, c2, IS_RMS: tl.constexpr):
+    """``dx = rstd * (g - c1 - xhat * c2)`` with the row means ``c1 = mean(g)``, ``c2 = mean(g * xhat)``;
+    RMSNorm has no mean to subtract, so no ``c1``."""
+    if IS_RMS:
+        return (g - xhat * c2[:, None]) * rstd[:, None]
+    return (g - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     x_ptr,  # (M, N) forward input, row stride stride_x_row
     dy_ptr,  # (M, N) upstream gradient, row stride stride_dy_row
@@ -181,6 +212,8 @@ def _layer_norm_bwd_kernel(
     col_mask = cols < N
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros([BLOCK_N], dtype=tl.float32)  # never read
     # Accumulate a whole tile per row slot and reduce over rows once at the end: a tl.sum(axis=0) per
     # iteration would cross warps (shared memory and a barrier) on every tile.
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -190,26 +223,11 @@ def _layer_norm_bwd_kernel(
         row_mask = (rows < row_end) & (rows < M)
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        if IS_RMS:
-            xhat = x * rstd[:, None]
-        else:
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        if HAS_WEIGHT:
-            # A select, not a bare product: `g - c1` must not contract to fma(dy, w, -c1), whose unrounded
-            # product leaves dx = ulp * rstd where it must be 0 (N = 1, constant rows).
-            g = tl.where(mask, dy * w[None, :], 0.0)
-        else:
-            g = dy
+        dy, xhat, g, rstd = _bwd_tile(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w, rows, rows64, row_mask, cols, mask,
+                                      stride_x_row, stride_dy_row, IS_RMS, HAS_WEIGHT)
+        c1 = tl.div_rn(tl.sum(g, axis=1), N * 1.0)  # unused (compiled away) for RMSNorm
         c2 = tl.div_rn(tl.sum(g * xhat, axis=1), N * 1.0)
-        if IS_RMS:
-            dx = (g - xhat * c2[:, None]) * rstd[:, None]
-        else:
-            c1 = tl.div_rn(tl.sum(g, axis=1), N * 1.0)
-            dx = (g - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
+        dx = _dx_from_row_terms(g, xhat, rstd, c1, c2, IS_RMS)
         tl.store(dx_ptr + rows64 * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             dw_acc += dy * xhat
@@ -295,6 +313,8 @@ def _layer_norm_bwd_columns_kernel(
     row_end = row_start + rows_per_program
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros([BLOCK_N], dtype=tl.float32)  # never read
     # Accumulate a whole tile per row slot and reduce over rows once at the end: a tl.sum(axis=0) per
     # iteration would cross warps (shared memory and a barrier) on every tile.
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -304,24 +324,11 @@ def _layer_norm_bwd_columns_kernel(
         row_mask = (rows < row_end) & (rows < M)
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        dy, xhat, g, rstd = _bwd_tile(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w, rows, rows64, row_mask, cols, mask,
+                                      stride_x_row, stride_dy_row, IS_RMS, HAS_WEIGHT)
         c1 = tl.load(c1_ptr + rows, mask=row_mask, other=0.0)
         c2 = tl.load(c2_ptr + rows, mask=row_mask, other=0.0)
-        if IS_RMS:
-            xhat = x * rstd[:, None]
-        else:
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        if HAS_WEIGHT:
-            g = tl.where(mask, dy * w[None, :], 0.0)
-        else:
-            g = dy
-        if IS_RMS:
-            dx = (g - xhat * c2[:, None]) * rstd[:, None]
-        else:
-            dx = (g - c1[:, None] - xhat * c2[:, None]) * rstd[:, None]
+        dx = _dx_from_row_terms(g, xhat, rstd, c1, c2, IS_RMS)
         tl.store(dx_ptr + rows64 * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             dw_acc += dy * xhat
