@@ -111,9 +111,13 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, traceable=False):
     return y, mean, rstd
 
 
-def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *, traceable=False):
+def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *, grad_dtypes=None,
+                   traceable=False):
+    """``(dx, dw, db)``; dW/dB in fp32, or in ``grad_dtypes = (dw dtype, db dtype)`` when given (the final
+    sum casts as it stores: no cast launched afterwards)."""
     m, n = x.shape
     need_dw = weight is not None
+    dw_dtype, db_dtype = grad_dtypes or (torch.float32, torch.float32)
     if backend_for(x) == "reference":
         if is_rms:
             dx, dw = twin.rms_norm_backward(dy, x, weight, rstd)
@@ -121,12 +125,11 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         else:
             dx, dw, db = twin.layer_norm_backward(dy, x, weight, mean, rstd)
         empty = torch.empty(0, device=x.device)
-        return dx, dw.float() if need_dw else empty, db.float() if need_db else empty
-    # dW/dB leave in fp32; autograd casts each to its parameter's dtype.
+        return dx, dw.to(dw_dtype) if need_dw else empty, db.to(db_dtype) if need_db else empty
     dx = torch.empty((m, n), device=x.device, dtype=x.dtype)
     alloc = torch.zeros if m == 0 else torch.empty
-    dw = alloc(n if need_dw else 0, device=x.device, dtype=torch.float32)
-    db = alloc(n if need_db else 0, device=x.device, dtype=torch.float32)
+    dw = alloc(n if need_dw else 0, device=x.device, dtype=dw_dtype)
+    db = alloc(n if need_db else 0, device=x.device, dtype=db_dtype)
     if nothing_to_launch(x):
         return dx, dw, db
     sms = multiprocessor_count(x.device.index or 0)
@@ -177,21 +180,32 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
 
 
 class _NormFunction(torch.autograd.Function):
-    """Eager autograd for both norms; saves x, weight, mean and rstd (fp32, M each)."""
+    """Eager autograd for both norms; saves x (as rows), weight, mean and rstd (fp32, M each). Takes the
+    caller's tensors and reshapes inside, so autograd records one node, not one per reshape; dW/dB come
+    out of the final-sum kernel in the parameters' dtypes (measured: each reshape node and each cast
+    cost 10-25 us of host time per backward, `scripts/host_overhead.py`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, is_rms, deterministic):
-        y, mean, rstd = _norm_fwd_impl(x, weight, bias, eps, is_rms)
-        ctx.save_for_backward(x, weight, mean, rstd)
+    def forward(ctx, x, weight, bias, n, eps, is_rms, deterministic):
+        x2 = _rows_2d(x, n)
+        w = None if weight is None else weight.reshape(-1).contiguous()
+        b = None if bias is None else bias.reshape(-1).contiguous()
+        y, mean, rstd = _norm_fwd_impl(x2, w, b, eps, is_rms)
+        ctx.save_for_backward(x2, w, mean, rstd)
         ctx.is_rms, ctx.deterministic, ctx.need_db = is_rms, deterministic, bias is not None
-        return y
+        ctx.shapes = (x.shape, None if weight is None else weight.shape, None if bias is None else bias.shape)
+        ctx.grad_dtypes = (torch.float32 if weight is None else weight.dtype,
+                           torch.float32 if bias is None else bias.dtype)
+        return y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _norm_bwd_impl(_rows_2d(dy, x.shape[1]), x, weight, mean, rstd, ctx.is_rms, ctx.need_db,
-                                    ctx.deterministic)
-        return dx, (dw if weight is not None else None), (db if ctx.need_db else None), None, None, None
+        x2, w, mean, rstd = ctx.saved_tensors
+        x_shape, w_shape, b_shape = ctx.shapes
+        dx, dw, db = _norm_bwd_impl(_rows_2d(dy, x2.shape[1]), x2, w, mean, rstd, ctx.is_rms, ctx.need_db,
+                                    ctx.deterministic, grad_dtypes=ctx.grad_dtypes)
+        return (dx.reshape(x_shape), None if w_shape is None else dw.reshape(w_shape),
+                None if b_shape is None else db.reshape(b_shape), None, None, None, None)
 
 
 @triton_op("fused_kernels::norm_fwd", mutates_args=())
@@ -254,13 +268,14 @@ def _check(x, normalized_shape, weight, bias) -> tuple[tuple[int, ...], int]:
 
 
 def _norm(x, shape, n, weight, bias, eps, is_rms, deterministic):
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _NormFunction.apply(x, weight, bias, n, float(eps), is_rms, deterministic)
     x2 = _rows_2d(x, n)
     w = None if weight is None else weight.reshape(-1).contiguous()
     b = None if bias is None else bias.reshape(-1).contiguous()
     if torch.compiler.is_compiling():
         y = torch.ops.fused_kernels.norm_fwd(x2, w, b, float(eps), is_rms, deterministic)[0]
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w, b)):
-        y = _NormFunction.apply(x2, w, b, float(eps), is_rms, deterministic)
     else:  # inference: no autograd node, nothing saved
         y = _norm_fwd_impl(x2, w, b, float(eps), is_rms)[0]
     return y.reshape(x.shape)
