@@ -187,3 +187,30 @@ def test_cpu_tensors_without_the_interpreter_run_the_twins():
         "torch.testing.assert_close(rms_norm(x, 50), F.rms_norm(x, (50,), eps=1e-6))\n",
         TRITON_INTERPRET="0",
     )
+
+
+def test_concrete_scalar_passes_numbers_through_and_leaves_bools_alone():
+    from kernels._common.validate import concrete_scalar
+
+    assert concrete_scalar(0.25) == 0.25 and type(concrete_scalar(0.25)) is float
+    assert concrete_scalar(2**64 - 1) == 2**64 - 1  # a full 64-bit seed is not squeezed into int64
+    assert concrete_scalar(True) is True
+    assert concrete_scalar(None) is None
+
+
+def test_test_shards_split_round_robin_and_cover_everything(monkeypatch):
+    from tests.conftest import _shard
+
+    items = list(range(10))
+    monkeypatch.setenv("FK_TEST_SHARD", "1/3")
+    assert _shard(items) == [1, 4, 7]
+    parts = []
+    for index in range(3):
+        monkeypatch.setenv("FK_TEST_SHARD", f"{index}/3")
+        parts += _shard(items)
+    assert sorted(parts) == items
+    monkeypatch.setenv("FK_TEST_SHARD", "3/3")
+    with pytest.raises(pytest.UsageError):
+        _shard(items)
+    monkeypatch.delenv("FK_TEST_SHARD")
+    assert _shard(items) == items
