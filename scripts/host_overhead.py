@@ -13,25 +13,13 @@ arguments prepared, and torch's ``F.layer_norm`` (forward; forward + backward th
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 import kernels.layernorm.ops as ops
+from benchmarks._harness import host_us
 from kernels.layernorm import layer_norm
-
-
-def host_us(fn, calls: int = 300) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    end = time.perf_counter()
-    torch.cuda.synchronize()
-    return (end - start) / calls * 1e6
 
 
 def device_us(fn, replays: int = 100) -> float:

@@ -15,13 +15,13 @@ The numbers go to the family README.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
 
+from benchmarks._harness import host_us
 from kernels.dropout import dropout
 from kernels.dropout._kernels import LANE_STRIDE_ELEMENTS, _dropout_fwd_kernel
 from kernels.dropout.ops import keep_threshold
@@ -56,17 +56,6 @@ def sweep(n: int) -> None:
                 print(" ".join(f"{v:>8}" for v in row))
 
 
-def host_us(fn, calls: int = 3000) -> float:
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
 def overhead() -> None:
     x = torch.randn(4096, device="cuda", dtype=torch.float16)
     xg = x.clone().requires_grad_(True)
@@ -88,7 +77,7 @@ def overhead() -> None:
     }
     print("\nhost time per call, 4096 fp16 elements (us)")
     for name, fn in cases.items():
-        print(f"  {name:<34} {host_us(fn):7.1f}")
+        print(f"  {name:<34} {host_us(fn, calls=3000, warmup=200):7.1f}")
 
 
 
