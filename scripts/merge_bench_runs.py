@@ -25,12 +25,13 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="records.json:ceilings.json")
     parser.add_argument("--drop", action="append", default=[], help="provider@run-index (0-based)")
     parser.add_argument("--plot-ignore", nargs="*", default=[], help="shape keys left out of the plot panels")
+    parser.add_argument("--x-key", default="S", help="the plots' x axis when the records do not name it")
     args = parser.parse_args()
     drops = {(p, int(i)) for p, i in (d.split("@") for d in args.drop)}
     merged: dict[tuple, dict] = {}
     headers = []
     ceilings = None
-    x_key = "S"
+    x_key = args.x_key
     for index, run in enumerate(args.runs):
         records_path, ceilings_path = run.split(":")
         meta = json.loads(Path(ceilings_path).read_text())

@@ -214,3 +214,61 @@ def test_test_shards_split_round_robin_and_cover_everything(monkeypatch):
         _shard(items)
     monkeypatch.delenv("FK_TEST_SHARD")
     assert _shard(items) == items
+
+
+def test_int_key_separates_what_triton_specialises_on():
+    from kernels._common.launch import _int_key
+
+    assert _int_key(1) != _int_key(3)  # 1 becomes a constant
+    assert _int_key(32) != _int_key(33)  # divisibility by 16
+    assert _int_key(2**31 - 16) != _int_key(2**31)  # i32 -> i64
+    assert _int_key(2**63) != _int_key(2**62)  # i64 -> u64
+    assert _int_key(-16) == _int_key(48)
+
+
+@triton.jit
+def _scaled_copy_kernel(src_ptr, dst_ptr, n, stride, scale, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0.0):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(src_ptr + offsets * stride, mask=mask)
+    tl.store(dst_ptr + offsets, x * scale + SHIFT, mask=mask)
+
+
+def test_eager_launches_take_the_plain_kernel_under_the_interpreter():
+    from kernels._common import kernel_for
+    from kernels._common.launch import FastLauncher
+
+    launcher = kernel_for(_scaled_copy_kernel, traceable=False)
+    assert (launcher is _scaled_copy_kernel) == INTERPRETER
+    assert INTERPRETER or isinstance(launcher, FastLauncher)
+
+
+@pytest.mark.cuda
+def test_fast_launcher_matches_triton_for_every_specialisation():
+    """Cached launches must use a kernel compiled for the same specialisation: misaligned views, ints equal
+    to 1 or divisible by 16, constexpr defaults and overrides, after the first call of each."""
+    from triton import knobs
+
+    from kernels._common.launch import FastLauncher
+
+    launcher = FastLauncher(_scaled_copy_kernel)
+    base = torch.randn(4096 + 3, device="cuda", dtype=torch.float16)
+    cases = [(base, 4096, 1, {}), (base[1:], 4095, 1, {}), (base[3:], 1, 1, {}), (base, 2048, 2, {}),
+             (base[1:], 1365, 3, {"SHIFT": 1.5}), (base.float()[5:], 1000, 4, {"num_warps": 2})]
+    for _ in range(2):  # the second round takes the cached path
+        for src, n, stride, extra in cases:
+            dst = torch.full((n,), float("nan"), device="cuda", dtype=src.dtype)
+            launcher[(triton.cdiv(n, 128),)](src, dst, n, stride, 2.0, BLOCK=128, **extra)
+            expected = src[: n * stride : stride] * 2.0 + extra.get("SHIFT", 0.0)
+            torch.testing.assert_close(dst, expected)
+    assert len(launcher._compiled) == len(cases)
+    seen = []
+    hook = lambda metadata: seen.append(metadata)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        dst = torch.empty(16, device="cuda", dtype=base.dtype)
+        launcher[(1,)](base, dst, 16, 1, 1.0, BLOCK=128)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1  # a profiler's hook sees the launch: the plain path ran
+    torch.testing.assert_close(dst, base[:16])

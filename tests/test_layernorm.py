@@ -278,3 +278,22 @@ def test_torch_compile_fullgraph_matches_eager():
     g_compiled = torch.autograd.grad(y_compiled.sum(), [x, *m.parameters()])
     for a, b in zip(g_eager, g_compiled, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_chunked_forward_with_persistent_programs(kind, monkeypatch):
+    """The chunked forward at a small width: rows over several chunks (the last one partial), fewer
+    programs than rows (each loops over rows), pass 2 reading the chunks last first."""
+    import kernels.layernorm.ops as ops
+
+    monkeypatch.setattr(ops, "_MAX_FUSED_FWD", 64)
+    monkeypatch.setattr(ops, "_CHUNK", 32)
+    monkeypatch.setattr(ops, "_CHUNK_L2_FRACTION", 0.0)  # one program per SM, whatever fits in L2
+    ops._cached_fwd_config.cache_clear()
+    try:
+        m, n = 300, 100
+        x, w, b, dy = _inputs(m, n, torch.float32)
+        assert not ops._fwd_config(n)["SINGLE_PASS"] and ops._fwd_programs(m, n, ops._fwd_config(n), 4, 0) < m
+        _check_against_torch(kind, x, w, b if kind == "layer" else None, dy, 1e-5)
+    finally:
+        ops._cached_fwd_config.cache_clear()

@@ -2,7 +2,14 @@
 single-config autotune helper, argument checks, seeds and the ``torch.library`` namespace."""
 
 from kernels._common.autotune import autotune
-from kernels._common.launch import cdiv, kernel_for, multiprocessor_count, nothing_to_launch, unused_pointer
+from kernels._common.launch import (
+    cdiv,
+    kernel_for,
+    l2_cache_bytes,
+    multiprocessor_count,
+    nothing_to_launch,
+    unused_pointer,
+)
 from kernels._common.runtime import INTERPRETER, backend_for, interpreter_requested, is_fake
 from kernels._common.seed import draw_seed, splitmix64
 from kernels._common.validate import (
@@ -33,6 +40,7 @@ __all__ = [
     "interpreter_requested",
     "is_fake",
     "kernel_for",
+    "l2_cache_bytes",
     "multiprocessor_count",
     "nothing_to_launch",
     "splitmix64",

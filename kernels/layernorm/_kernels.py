@@ -3,8 +3,9 @@
 Implements:
 - ``_layer_norm_fwd_kernel``: per row, mean and 1/std in fp32; writes y, mean, rstd. Register path:
   a ``BLOCK_M x BLOCK_N`` tile holds several short rows at once (small N is neither launch- nor
-  latency-bound). Chunked path (rows wider than one tile): pass 1 merges per-chunk mean and M2
-  (Chan, Golub and LeVeque's parallel variance), pass 2 re-reads the row (mostly from L2) and writes y.
+  latency-bound). Chunked path (rows wider than one tile): persistent programs, as many as keep their
+  rows in flight within half of L2; pass 1 merges per-chunk mean and M2 (Chan, Golub and LeVeque's
+  parallel variance), pass 2 re-reads the row from L2 (last chunk first) and writes y.
 - ``_layer_norm_bwd_kernel`` (rows up to one tile): programs own contiguous row ranges; each computes
   dx for its rows and sums its rows' ``dy * xhat`` / ``dy`` in fp32 registers, then adds that partial
   into one of ``GROUP_SIZE_M`` fp32 buffers under a spin lock (``atomic_cas`` to take, ``atomic_xchg``
@@ -51,13 +52,14 @@ def _layer_norm_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_PASS: tl.constexpr,  # BLOCK_N >= N: the rows stay in registers
+    LOOP_STAGES: tl.constexpr = 1,  # software-pipelining depth of the chunked path's two loops
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
-    y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y_row
     cols = tl.arange(0, BLOCK_N)
     if SINGLE_PASS:
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
+        y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y_row
         mask = row_mask[:, None] & (cols[None, :] < N)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if IS_RMS:
@@ -73,38 +75,49 @@ def _layer_norm_fwd_kernel(
         if HAS_BIAS:
             y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        if not IS_RMS:
+            tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     else:
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of squared deviations (sum of squares for RMS)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = row_mask[:, None] & (c[None, :] < N)
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            if IS_RMS:
-                m2 += tl.sum(x * x, axis=1)
-            else:
-                count_b = tl.minimum(N - start, BLOCK_N).to(tl.float32)
-                count_a = tl.cast(start, tl.float32)
-                mean_b = tl.sum(x, axis=1) / count_b
-                xc = tl.where(mask, x - mean_b[:, None], 0.0)
-                delta = mean_b - mean
-                total = count_a + count_b
-                mean = mean + delta * (count_b / total)
-                m2 = m2 + tl.sum(xc * xc, axis=1) + delta * delta * (count_a * count_b / total)
-        rstd = 1.0 / tl.sqrt(tl.div_rn(m2, N * 1.0) + eps)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = row_mask[:, None] & (c[None, :] < N)
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = (x - mean[:, None]) * rstd[:, None]
-            if HAS_WEIGHT:
-                y = y * tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
-            if HAS_BIAS:
-                y = y + tl.load(b_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_rows + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    if not IS_RMS:
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        # Persistent programs (the launcher sizes the grid so that the rows in flight fit in L2): pass 2
+        # re-reads each row from L2, last chunk first (the most recently read).
+        n_chunks = tl.cdiv(N, BLOCK_N)
+        for row0 in range(tl.program_id(0) * BLOCK_M, M, tl.num_programs(0) * BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < M
+            x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
+            y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y_row
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            m2 = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of squared deviations (sum of squares for RMS)
+            for start in tl.range(0, N, BLOCK_N, num_stages=LOOP_STAGES):
+                c = start + cols
+                mask = row_mask[:, None] & (c[None, :] < N)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                if IS_RMS:
+                    m2 += tl.sum(x * x, axis=1)
+                else:
+                    count_b = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+                    count_a = tl.cast(start, tl.float32)
+                    mean_b = tl.sum(x, axis=1) / count_b
+                    xc = tl.where(mask, x - mean_b[:, None], 0.0)
+                    delta = mean_b - mean
+                    total = count_a + count_b
+                    mean = mean + delta * (count_b / total)
+                    m2 = m2 + tl.sum(xc * xc, axis=1) + delta * delta * (count_a * count_b / total)
+            rstd = 1.0 / tl.sqrt(tl.div_rn(m2, N * 1.0) + eps)
+            for i in tl.range(0, n_chunks, num_stages=LOOP_STAGES):
+                c = (n_chunks - 1 - i) * BLOCK_N + cols
+                mask = row_mask[:, None] & (c[None, :] < N)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                y = (x - mean[:, None]) * rstd[:, None]
+                if HAS_WEIGHT:
+                    y = y * tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+                if HAS_BIAS:
+                    y = y + tl.load(b_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_rows + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+            if not IS_RMS:
+                tl.store(mean_ptr + rows, mean, mask=row_mask)
+            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -187,8 +200,7 @@ def _layer_norm_bwd_kernel(
     mean_ptr,  # (M,) fp32 (unused for RMSNorm)
     rstd_ptr,  # (M,) fp32
     partial_ptr,  # (slots, 2, N) fp32 partial dW/dB buffers
-    lock_ptr,  # (slots * chunks,) int32 spin locks
-    count_ptr,  # (slots * chunks,) int32 first-write flags
+    lock_ptr,  # (2 * group_size_m,) int32, zero on entry: the spin locks, then the first-write flags
     M,
     N,
     stride_x_row,
@@ -202,6 +214,7 @@ def _layer_norm_bwd_kernel(
     DETERMINISTIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    LOOP_STAGES: tl.constexpr = 1,  # software-pipelining depth of the row loop (loads of the next tiles in flight)
 ):
     """Rows up to one tile wide: dx, and one locked add of this program's partial dW/dB."""
     pid = tl.program_id(0)
@@ -218,7 +231,7 @@ def _layer_norm_bwd_kernel(
     # iteration would cross warps (shared memory and a barrier) on every tile.
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r0 in range(row_start, row_end, BLOCK_M):
+    for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=LOOP_STAGES):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_mask = (rows < row_end) & (rows < M)
         mask = row_mask[:, None] & col_mask[None, :]
@@ -234,6 +247,10 @@ def _layer_norm_bwd_kernel(
         if NEED_DB:
             db_acc += dy
     if HAS_WEIGHT or NEED_DB:
+        if DETERMINISTIC:
+            count_ptr = lock_ptr  # no locks: never read
+        else:
+            count_ptr = lock_ptr + group_size_m
         _add_partial(partial_ptr, lock_ptr, count_ptr, slot, slot, cols, col_mask, tl.sum(dw_acc, axis=0),
                      tl.sum(db_acc, axis=0), N,
                      DETERMINISTIC, HAS_WEIGHT, NEED_DB)

@@ -11,8 +11,9 @@ torch.compile the public functions call the registered ops, which share the impl
 
 Launch rules (why in the family README):
 - forward: rows up to ``_MAX_FUSED_FWD`` elements stay in registers, several rows per program when N
-  is small (about 4096 elements per tile); wider rows are processed in chunks of ``_CHUNK``.
-- backward, rows up to ``_MAX_FUSED_BWD``: tiles of ~4096 elements, ``programs = min(row tiles, 4 * SMs)``,
+  is small (about 4096 elements per tile, 64 per thread); wider rows are processed in chunks of
+  ``_CHUNK`` by persistent programs sized to L2.
+- backward, rows up to ``_MAX_FUSED_BWD``: tiles of ~4096 elements, ``programs = min(row tiles, 2 * SMs)``,
   each owning a contiguous range of rows and making one locked add of its partial dW/dB;
   ``GROUP_SIZE_M = min(programs, 64)`` buffers in lock mode (about eight programs per lock, each adding
   once: short waits, and a final sum over 64 rows of N); one buffer per program with
@@ -23,6 +24,7 @@ Launch rules (why in the family README):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -36,6 +38,7 @@ from kernels._common import (
     check_same_device,
     check_tensor,
     kernel_for,
+    l2_cache_bytes,
     multiprocessor_count,
     nothing_to_launch,
     unused_pointer,
@@ -48,92 +51,168 @@ from kernels.layernorm._kernels import (
     _layer_norm_fwd_kernel,
 )
 
-_MAX_FUSED_FWD = 16384
+_MAX_FUSED_FWD = 32768
 _MAX_FUSED_BWD = 8192
-_CHUNK = 4096
+_CHUNK = 8192
 _FWD_TILE = 4096  # elements per forward tile (several rows when N is small)
-_FWD_ELEMENTS_PER_THREAD = 16
+_FWD_ELEMENTS_PER_THREAD = 64
+_FWD_MIN_WARPS = 4  # 2 for rows up to _FWD_NARROW
+_FWD_NARROW = 2048
+_CHUNK_WARPS = 8
+_CHUNK_LOOP_STAGES = 3
+_CHUNK_L2_FRACTION = 0.5  # the chunked forward keeps at most this much of L2 in rows in flight
 _BWD_TILE = 4096  # elements per backward tile
-_BWD_ELEMENTS_PER_THREAD = 16
+_BWD_ELEMENTS_PER_THREAD = 16  # 32 for rows up to _BWD_NARROW (4 warps per 4096-element tile)
+_BWD_NARROW = 2048
 _WIDE_COLUMNS = 1024  # column block of the wide backward
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 2
+_BWD_LOOP_STAGES = 3  # tl.range pipelining of the fused backward's row loop (README: 52-62% -> 81-88% of copy)
 _MAX_GROUP_SIZE_M = 64
+_DWDB_BLOCK_N = 64  # columns per program of the final dW/dB sum
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _fwd_config(n: int) -> dict:
-    if n <= _MAX_FUSED_FWD:
-        block_n = _next_pow2(n)
-        block_m = max(1, min(64, _FWD_TILE // block_n))
-        single = True
-    else:
-        block_n, block_m, single = _CHUNK, 1, False
-    num_warps = max(1, min(32, block_m * block_n // (32 * _FWD_ELEMENTS_PER_THREAD)))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_PASS": single, "num_warps": num_warps}
+def _fwd_config(n) -> dict:
+    """Launch parameters of the forward for rows of ``n``: the same dict for every call with a plain int
+    (never mutate it); computed afresh for a symbolic ``n`` (torch.compile with dynamic shapes)."""
+    return _cached_fwd_config(n) if type(n) is int else _make_fwd_config(n)
 
 
-def _bwd_config(n: int) -> dict:
-    """Register path (n <= _MAX_FUSED_BWD): a tile of about _BWD_TILE elements, several rows when n is small."""
+def _bwd_config(n) -> dict:
+    """Launch parameters of the register-path backward for rows of ``n`` (shared dict, as ``_fwd_config``)."""
+    return _cached_bwd_config(n) if type(n) is int else _make_bwd_config(n)
+
+
+def _make_fwd_config(n) -> dict:
+    if n > _MAX_FUSED_FWD:
+        return {"BLOCK_M": 1, "BLOCK_N": _CHUNK, "SINGLE_PASS": False, "LOOP_STAGES": _CHUNK_LOOP_STAGES,
+                "num_warps": _CHUNK_WARPS}
+    block_n = _next_pow2(n)
+    block_m = max(1, min(64, _FWD_TILE // block_n))
+    min_warps = 2 if block_n <= _FWD_NARROW else _FWD_MIN_WARPS
+    num_warps = max(min_warps, min(32, block_m * block_n // (32 * _FWD_ELEMENTS_PER_THREAD)))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_PASS": True, "LOOP_STAGES": 1, "num_warps": num_warps}
+
+
+def _fwd_programs(m: int, n: int, cfg: dict, elt_size: int, device_index: int) -> int:
+    """Forward grid: a tile of rows per program; for the chunked path, persistent programs whose rows in
+    flight fit in ``_CHUNK_L2_FRACTION`` of L2, so that pass 2 re-reads them from L2 (at least one per SM)."""
+    tiles = cdiv(m, cfg["BLOCK_M"])
+    if cfg["SINGLE_PASS"]:
+        return tiles
+    fitting = int(l2_cache_bytes(device_index) * _CHUNK_L2_FRACTION) // (n * elt_size)
+    return min(tiles, max(multiprocessor_count(device_index), fitting))
+
+
+def _make_bwd_config(n) -> dict:
+    """A tile of about _BWD_TILE elements, several rows when n is small; the row loop pipelined
+    ``_BWD_LOOP_STAGES`` deep."""
     block_n = _next_pow2(n)
     block_m = max(1, min(64, _BWD_TILE // block_n))
-    num_warps = max(1, min(16, block_m * block_n // (32 * _BWD_ELEMENTS_PER_THREAD)))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}
+    per_thread = 2 * _BWD_ELEMENTS_PER_THREAD if block_n <= _BWD_NARROW else _BWD_ELEMENTS_PER_THREAD
+    num_warps = max(1, min(16, block_m * block_n // (32 * per_thread)))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "LOOP_STAGES": _BWD_LOOP_STAGES, "num_warps": num_warps}
+
+
+_cached_fwd_config = functools.cache(_make_fwd_config)
+_cached_bwd_config = functools.cache(_make_bwd_config)
 
 
 def _rows_2d(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` as (M, N) rows with unit column stride (a view when possible)."""
+    """``t`` as (M, N) rows with unit column stride (a view when possible): the registered ops' layout."""
     t2 = t.reshape(-1, n)
     return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
 
 
-def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, traceable=False):
-    m, n = x.shape
+def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """``t`` (any shape ending in the normalized dims, ``n`` elements each) and the stride between its rows of
+    ``n``: ``t`` itself when its rows are unit-stride and evenly spaced, else a contiguous copy. No view is
+    made (each costs a few us of host time, the order of the kernel itself at M = 4096)."""
+    if t.is_contiguous():
+        return t, n
+    if t.dim() == 2 and t.shape[1] == n and t.stride(1) == 1:
+        return t, t.stride(0)
+    return t.contiguous(), n
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight or bias as a flat run of ``n`` elements (the kernels index it by column)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def _or_unused(t: torch.Tensor | None, like: torch.Tensor, traceable: bool):
+    """``t``, or for an argument a compile-time branch never reads: None in eager launches (Triton makes it a
+    constant; no allocation), a one-element tensor when traced (see ``unused_pointer``)."""
+    if t is not None:
+        return t
+    return unused_pointer(like) if traceable else None
+
+
+def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, traceable=False):
+    """``(y, mean, rstd)`` for rows of ``n`` (default: the last dim) of ``x``; ``y`` has ``x``'s shape (and
+    is contiguous), ``mean``/``rstd`` are fp32 of M = x.numel() / n (``mean`` is empty for RMSNorm)."""
+    n = x.shape[-1] if n is None else n
     if backend_for(x) == "reference":
+        x2 = x.reshape(-1, n)
         if is_rms:
-            y, rstd = twin.rms_norm_forward(x, weight, eps)
-            return y, torch.empty(0, device=x.device, dtype=torch.float32), rstd
-        return twin.layer_norm_forward(x, weight, bias, eps)
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+            y, rstd = twin.rms_norm_forward(x2, weight, eps)
+            return y.reshape(x.shape), torch.empty(0, device=x.device, dtype=torch.float32), rstd
+        y, mean, rstd = twin.layer_norm_forward(x2, weight, bias, eps)
+        return y.reshape(x.shape), mean, rstd
+    x, stride_x = _rows(x, n)
+    m = x.numel() // n if n else 0
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     mean = torch.empty(0 if is_rms else m, device=x.device, dtype=torch.float32)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     if nothing_to_launch(x):
         return y, mean, rstd
     cfg = _fwd_config(n)
-    grid = (cdiv(m, cfg["BLOCK_M"]),)
+    grid = (_fwd_programs(m, n, cfg, x.element_size(), x.device.index or 0),)
     kernel_for(_layer_norm_fwd_kernel, traceable=traceable)[grid](
-        x, y, weight if weight is not None else unused_pointer(x), bias if bias is not None else unused_pointer(x),
-        mean, rstd, m, n, x.stride(0), y.stride(0), eps,
+        x, y, _or_unused(weight, x, traceable), _or_unused(bias, x, traceable),
+        _or_unused(None if is_rms else mean, x, traceable), rstd, m, n, stride_x, n, eps,
         IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **cfg,
     )
     return y, mean, rstd
 
 
-def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *, grad_dtypes=None,
-                   traceable=False):
-    """``(dx, dw, db)``; dW/dB in fp32, or in ``grad_dtypes = (dw dtype, db dtype)`` when given (the final
-    sum casts as it stores: no cast launched afterwards)."""
-    m, n = x.shape
+def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *, n=None, grad_dtypes=None,
+                   bias_shape=None, traceable=False):
+    """``(dx, dw, db)`` for rows of ``n`` (default: the last dim); ``dx`` has ``x``'s shape, ``dw`` the
+    weight's shape; dW/dB in fp32, or in ``grad_dtypes = (dw dtype, db dtype)`` when given (the final sum
+    casts as it stores: no cast launched afterwards); ``db`` has ``bias_shape`` (default ``(n,)``)."""
+    n = x.shape[-1] if n is None else n
     need_dw = weight is not None
     dw_dtype, db_dtype = grad_dtypes or (torch.float32, torch.float32)
+    dw_shape = weight.shape if need_dw else (0,)
+    db_shape = bias_shape if need_db and bias_shape is not None else (n if need_db else 0,)
     if backend_for(x) == "reference":
+        x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
+        w = None if weight is None else weight.reshape(-1)
         if is_rms:
-            dx, dw = twin.rms_norm_backward(dy, x, weight, rstd)
+            dx, dw = twin.rms_norm_backward(dy2, x2, w, rstd)
             db = None
         else:
-            dx, dw, db = twin.layer_norm_backward(dy, x, weight, mean, rstd)
+            dx, dw, db = twin.layer_norm_backward(dy2, x2, w, mean, rstd)
         empty = torch.empty(0, device=x.device)
-        return dx, dw.to(dw_dtype) if need_dw else empty, db.to(db_dtype) if need_db else empty
-    dx = torch.empty((m, n), device=x.device, dtype=x.dtype)
+        return (dx.reshape(x.shape), dw.to(dw_dtype).reshape(dw_shape) if need_dw else empty,
+                db.to(db_dtype).reshape(db_shape) if need_db else empty)
+    x, stride_x = _rows(x, n)
+    dy, stride_dy = _rows(dy, n)
+    m = x.numel() // n if n else 0
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     alloc = torch.zeros if m == 0 else torch.empty
-    dw = alloc(n if need_dw else 0, device=x.device, dtype=dw_dtype)
-    db = alloc(n if need_db else 0, device=x.device, dtype=db_dtype)
+    dw = alloc(dw_shape, device=x.device, dtype=dw_dtype)
+    db = alloc(db_shape, device=x.device, dtype=db_dtype)
     if nothing_to_launch(x):
         return dx, dw, db
     sms = multiprocessor_count(x.device.index or 0)
     need_partial = need_dw or need_db
+    w_arg = _or_unused(weight, x, traceable)
+    mean_arg = _or_unused(None if is_rms else mean, x, traceable)
     if n <= _MAX_FUSED_BWD:
         cfg = _bwd_config(n)
         tiles = cdiv(m, cfg["BLOCK_M"])
@@ -141,12 +220,13 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         rows_per_program = cdiv(tiles, programs) * cfg["BLOCK_M"]
         programs = cdiv(m, rows_per_program)
         slots = programs if deterministic else min(programs, _MAX_GROUP_SIZE_M)
-        partial = torch.empty((slots, 2, n) if need_partial else (0,), device=x.device, dtype=torch.float32)
-        locks = torch.zeros(2 * slots if not deterministic else 1, device=x.device, dtype=torch.int32)
-        counts = locks[slots:] if not deterministic else locks
+        partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
+        # Locks, then first-write flags: one zeroed allocation (lock mode only).
+        locks = None if deterministic or not need_partial else torch.zeros(
+            2 * slots, device=x.device, dtype=torch.int32)
         kernel_for(_layer_norm_bwd_kernel, traceable=traceable)[(programs,)](
-            x, dy, dx, weight if need_dw else unused_pointer(x), mean, rstd, partial, locks, counts,
-            m, n, x.stride(0), dy.stride(0), dx.stride(0), rows_per_program, slots,
+            x, dy, dx, w_arg, mean_arg, rstd, _or_unused(partial, x, traceable), _or_unused(locks, x, traceable),
+            m, n, stride_x, stride_dy, n, rows_per_program, slots,
             IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db, DETERMINISTIC=deterministic, **cfg,
         )
     else:
@@ -154,8 +234,8 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         c1 = torch.empty(m, device=x.device, dtype=torch.float32)
         c2 = torch.empty(m, device=x.device, dtype=torch.float32)
         kernel_for(_layer_norm_bwd_row_terms_kernel, traceable=traceable)[(m,)](
-            x, dy, weight if need_dw else unused_pointer(x), mean, rstd, c1, c2, m, n, x.stride(0),
-            dy.stride(0), IS_RMS=is_rms, HAS_WEIGHT=need_dw, BLOCK_M=1, BLOCK_N=_CHUNK, num_warps=8,
+            x, dy, w_arg, mean_arg, rstd, c1, c2, m, n, stride_x, stride_dy,
+            IS_RMS=is_rms, HAS_WEIGHT=need_dw, BLOCK_M=1, BLOCK_N=_CHUNK, num_warps=8,
         )
         col_blocks = cdiv(n, _WIDE_COLUMNS)
         block_m = max(1, _BWD_TILE // _WIDE_COLUMNS)
@@ -163,49 +243,47 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         rows_per_program = cdiv(cdiv(m, row_groups), block_m) * block_m
         row_groups = cdiv(m, rows_per_program)
         slots = row_groups
-        partial = torch.empty((slots, 2, n) if need_partial else (0,), device=x.device, dtype=torch.float32)
+        partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
         kernel_for(_layer_norm_bwd_columns_kernel, traceable=traceable)[(col_blocks, row_groups)](
-            x, dy, dx, weight if need_dw else unused_pointer(x), mean, rstd, c1, c2, partial, m, n,
-            x.stride(0), dy.stride(0), dx.stride(0), rows_per_program, IS_RMS=is_rms, HAS_WEIGHT=need_dw,
+            x, dy, dx, w_arg, mean_arg, rstd, c1, c2, _or_unused(partial, x, traceable), m, n,
+            stride_x, stride_dy, n, rows_per_program, IS_RMS=is_rms, HAS_WEIGHT=need_dw,
             NEED_DB=need_db, BLOCK_M=block_m, BLOCK_N=_WIDE_COLUMNS, num_warps=8,
         )
     if need_partial:
-        block_n = min(256, _next_pow2(n))
+        block_n = min(_DWDB_BLOCK_N, _next_pow2(n))
         kernel_for(_layer_norm_bwd_dwdb_kernel, traceable=traceable)[(cdiv(n, block_n),)](
-            partial, dw if need_dw else partial, db if need_db else partial, slots, n,
-            NEED_DW=need_dw, NEED_DB=need_db, BLOCK_S=min(32, _next_pow2(slots)), BLOCK_N=block_n,
-            num_warps=4,
+            partial, _or_unused(dw if need_dw else None, x, traceable),
+            _or_unused(db if need_db else None, x, traceable), slots, n, NEED_DW=need_dw, NEED_DB=need_db,
+            BLOCK_S=min(32, _next_pow2(slots)), BLOCK_N=block_n, num_warps=4,
         )
     return dx, dw, db
 
 
 class _NormFunction(torch.autograd.Function):
-    """Eager autograd for both norms; saves x (as rows), weight, mean and rstd (fp32, M each). Takes the
-    caller's tensors and reshapes inside, so autograd records one node, not one per reshape; dW/dB come
-    out of the final-sum kernel in the parameters' dtypes (measured: each reshape node and each cast
-    cost 10-25 us of host time per backward, `scripts/host_overhead.py`)."""
+    """Eager autograd for both norms; saves x, weight, mean and rstd (fp32, M each). Works on the caller's
+    tensors without views (a contiguous copy only for rows that are not evenly spaced), so autograd
+    records one node; dW/dB come out of the final-sum kernel in the parameters' shapes and dtypes
+    (measured: each reshape node and each cast cost 10-25 us of host time per backward,
+    `scripts/host_overhead.py`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, n, eps, is_rms, deterministic):
-        x2 = _rows_2d(x, n)
-        w = None if weight is None else weight.reshape(-1).contiguous()
-        b = None if bias is None else bias.reshape(-1).contiguous()
-        y, mean, rstd = _norm_fwd_impl(x2, w, b, eps, is_rms)
-        ctx.save_for_backward(x2, w, mean, rstd)
-        ctx.is_rms, ctx.deterministic, ctx.need_db = is_rms, deterministic, bias is not None
-        ctx.shapes = (x.shape, None if weight is None else weight.shape, None if bias is None else bias.shape)
+        x, _ = _rows(x, n)
+        w, b = _flat(weight), _flat(bias)
+        y, mean, rstd = _norm_fwd_impl(x, w, b, eps, is_rms, n=n)
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.n, ctx.is_rms, ctx.deterministic, ctx.need_db = n, is_rms, deterministic, bias is not None
         ctx.grad_dtypes = (torch.float32 if weight is None else weight.dtype,
                            torch.float32 if bias is None else bias.dtype)
-        return y.reshape(x.shape)
+        ctx.bias_shape = None if bias is None else bias.shape
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, mean, rstd = ctx.saved_tensors
-        x_shape, w_shape, b_shape = ctx.shapes
-        dx, dw, db = _norm_bwd_impl(_rows_2d(dy, x2.shape[1]), x2, w, mean, rstd, ctx.is_rms, ctx.need_db,
-                                    ctx.deterministic, grad_dtypes=ctx.grad_dtypes)
-        return (dx.reshape(x_shape), None if w_shape is None else dw.reshape(w_shape),
-                None if b_shape is None else db.reshape(b_shape), None, None, None, None)
+        x, w, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _norm_bwd_impl(dy, x, w, mean, rstd, ctx.is_rms, ctx.need_db, ctx.deterministic, n=ctx.n,
+                                    grad_dtypes=ctx.grad_dtypes, bias_shape=ctx.bias_shape)
+        return (dx, dw if w is not None else None, db if ctx.need_db else None, None, None, None, None)
 
 
 @triton_op("fused_kernels::norm_fwd", mutates_args=())
@@ -271,13 +349,11 @@ def _norm(x, shape, n, weight, bias, eps, is_rms, deterministic):
     if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, weight, bias)):
         return _NormFunction.apply(x, weight, bias, n, float(eps), is_rms, deterministic)
-    x2 = _rows_2d(x, n)
-    w = None if weight is None else weight.reshape(-1).contiguous()
-    b = None if bias is None else bias.reshape(-1).contiguous()
-    if torch.compiler.is_compiling():
-        y = torch.ops.fused_kernels.norm_fwd(x2, w, b, float(eps), is_rms, deterministic)[0]
-    else:  # inference: no autograd node, nothing saved
-        y = _norm_fwd_impl(x2, w, b, float(eps), is_rms)[0]
+    if not torch.compiler.is_compiling():  # inference: no autograd node, nothing saved
+        return _norm_fwd_impl(x, _flat(weight), _flat(bias), float(eps), is_rms, n=n)[0]
+    w = None if weight is None else weight.reshape(-1)
+    b = None if bias is None else bias.reshape(-1)
+    y = torch.ops.fused_kernels.norm_fwd(_rows_2d(x, n), w, b, float(eps), is_rms, deterministic)[0]
     return y.reshape(x.shape)
 
 
