@@ -15,11 +15,11 @@ Launch rules (why in the family README):
   ``_CHUNK`` by persistent programs sized to L2.
 - backward, rows up to ``_MAX_FUSED_BWD``: tiles of ~4096 elements, ``programs = min(row tiles, 2 * SMs)``,
   each owning a contiguous range of rows and making one locked add of its partial dW/dB;
-  ``GROUP_SIZE_M = min(programs, 64)`` buffers in lock mode (about eight programs per lock, each adding
+  ``GROUP_SIZE_M = min(programs, 64)`` buffers in lock mode (about four programs per lock, each adding
   once: short waits, and a final sum over 64 rows of N); one buffer per program with
   ``deterministic=True`` (no waiting, a larger final sum).
 - backward, wider rows: a row-terms kernel, then programs over (1024-column block, row group) with about
-  ``4 * SMs`` programs in all; lock-free and deterministic.
+  ``2 * SMs`` programs in all; lock-free and deterministic.
 """
 
 from __future__ import annotations
