@@ -18,13 +18,7 @@ import torch
 import triton.testing
 
 import kernels.layernorm.ops as ops
-
-
-def copy_gbps() -> float:
-    src = torch.randn(1 << 29, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() * 4 / ms / 1e6
+from scripts.sweep_layernorm import copy_gbps
 
 
 def main() -> None:

@@ -34,6 +34,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _affine_store(xhat, y_rows, w_ptr, b_ptr, cols, mask, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``y = xhat * w + b`` over ``cols`` (fp32), stored in y's dtype at row pointers ``y_rows``."""
+    y = xhat
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_rows + cols[None, :], y.to(y_rows.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS: tl.constexpr):
+    if not IS_RMS:
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr,  # (M, N) input, row stride stride_x_row, unit column stride
     y_ptr,  # (M, N) output, row stride stride_y_row
@@ -69,15 +87,8 @@ def _layer_norm_fwd_kernel(
             mean = tl.div_rn(tl.sum(x, axis=1), N * 1.0)
             xc = tl.where(mask, x - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.div_rn(tl.sum(xc * xc, axis=1), N * 1.0) + eps)
-        y = xc * rstd[:, None]
-        if HAS_WEIGHT:
-            y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if HAS_BIAS:
-            y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-        if not IS_RMS:
-            tl.store(mean_ptr + rows, mean, mask=row_mask)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        _affine_store(xc * rstd[:, None], y_rows, w_ptr, b_ptr, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
+        _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS)
     else:
         # Persistent programs (the launcher sizes the grid so that the rows in flight fit in L2): pass 2
         # re-reads each row from L2, last chunk first (the most recently read).
@@ -109,15 +120,9 @@ def _layer_norm_fwd_kernel(
                 c = (n_chunks - 1 - i) * BLOCK_N + cols
                 mask = row_mask[:, None] & (c[None, :] < N)
                 x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                y = (x - mean[:, None]) * rstd[:, None]
-                if HAS_WEIGHT:
-                    y = y * tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
-                if HAS_BIAS:
-                    y = y + tl.load(b_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_rows + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-            if not IS_RMS:
-                tl.store(mean_ptr + rows, mean, mask=row_mask)
-            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+                _affine_store((x - mean[:, None]) * rstd[:, None], y_rows, w_ptr, b_ptr, c, mask, N, HAS_WEIGHT,
+                              HAS_BIAS)
+            _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS)
 
 
 @triton.jit
