@@ -156,7 +156,10 @@ def _attn_fwd_inner(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
+# Sq and Sk are not specialised: Triton 3.6 miscompiles the variant where both equal 1 (causal, head dims 80
+# and 96, BLOCK_D = 128 with (128, 64, 8 warps, 3 stages)): 14-16% of launches wrote a wrong log-sum-exp on
+# the H200 (scripts/stress_attention_fwd_shapes.py; none at any other length, none without the specialisation).
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "Sq", "Sk"])
 def _attn_fwd_kernel(
     q_ptr,  # (B, Hq, Sq, D)
     k_ptr,  # (B, Hkv, Sk, D)
