@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import kernels.attention.ops as ops
+from kernels.attention import flash_attention
 
 FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4),
        (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 8, 2)]
@@ -79,11 +80,17 @@ def main() -> None:
     parser.add_argument("--out", default="sweep_attention.jsonl")
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--seqs", default="1024,4096,16384")
+    parser.add_argument("--fwd-only", action="store_true", help="sweep the forward kernel only (no backward, no cuDNN)")
+    parser.add_argument("--fwd-configs", default="",
+                        help='forward configs to sweep instead of FWD, e.g. "128,128,4,3;64,64,4,3"')
     parser.add_argument("--window", type=int, default=-1,
                         help="causal sliding window: each query sees itself and this many keys before it "
                              "(only the causal points run); SDPA rows then show full causal attention")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    fwd_configs = FWD
+    if args.fwd_configs:
+        fwd_configs = [tuple(int(x) for x in c.split(",")) for c in args.fwd_configs.split(";")]
     from torch.nn.attention import SDPBackend
 
     print(torch.cuda.get_device_name(), torch.__version__, args.dtype)
@@ -100,7 +107,16 @@ def main() -> None:
                         flops = 4 * b * h * d * sum(min(i, args.window) + 1 for i in range(s))
                     o = torch.empty_like(q)
                     lse = torch.empty((b, h, s), device="cuda", dtype=torch.float32)
-                    fwd = sweep("fwd", FWD, d, lambda c: ops._launch_fwd(q, k, v, o, lse, left, right, scale, c))
+                    fwd = sweep("fwd", fwd_configs, d,
+                                lambda c: ops._launch_fwd(q, k, v, o, lse, left, right, scale, c))
+                    if args.fwd_only:
+                        public_ms = bench(lambda: flash_attention(q, k, v, window_size=(left, right)))
+                        flash_fwd_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                        print(f"D={d:3} S={s:5} causal={causal!s:5}  fwd "
+                              + "  ".join(f"{c}: {flops / ms / 1e9:5.0f}" for ms, c in fwd)
+                              + f"  | flash_attention() {flops / public_ms / 1e9:5.0f}"
+                              + f"  sdpa default {flops / flash_fwd_ms / 1e9:5.0f}", flush=True)
+                        continue
                     ops._launch_fwd(q, k, v, o, lse, left, right, scale, ops._config("fwd", d, dtype))
                     delta = torch.empty_like(lse)
                     pre_ms = bench(lambda: ops._launch_bwd_preprocess(o, do, delta))

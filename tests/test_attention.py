@@ -249,11 +249,17 @@ def test_kernel_rows_that_see_no_key():
 
 
 @pytest.mark.skipif(INTERPRETER, reason="a fault of compiled code; the interpreter runs the kernel as Python")
+@pytest.mark.parametrize("table", ["long-sequence", "short-sequence"])
 @pytest.mark.parametrize("d", [80, 96])
-def test_kernel_one_query_one_key_is_right_on_every_launch(d):
-    """Regression: Triton 3.6 miscompiled the forward specialised to Sq = Sk = 1 (causal, D = 80 or 96):
-    1 launch in 6 or 7 wrote a wrong log-sum-exp on the H200. With one key, o = v whatever the lse, so only
-    dV (= P dO = dO) and the lse show it; 200 launches miss it with probability ~1e-14."""
+def test_kernel_one_query_one_key_is_right_on_every_launch(monkeypatch, d, table):
+    """Regression: Triton 3.6 miscompiled the forward specialised to Sq = Sk = 1 (causal, D = 80 or 96, the
+    long-sequence table's (128, 64, 8 warps, 3 stages)): 1 launch in 6 or 7 wrote a wrong log-sum-exp on the
+    H200. With one key, o = v whatever the lse, so only dV (= P dO = dO) and the lse show it; 200 launches
+    miss it with probability ~1e-14. Both launch tables run (Sq = 1 normally takes the short one)."""
+    import kernels.attention.ops as ops
+
+    if table == "long-sequence":
+        monkeypatch.setattr(ops, "_SHORT_SEQ", 0)
     q, k, v = (t.to(DEVICE, torch.float16) for t in _qkv(2, 4, 4, 1, 1, d, dtype=torch.float32))
     do = torch.randn_like(q)
     expected_lse = (q.float() @ k.float().transpose(-1, -2)).squeeze(-1) / math.sqrt(d)
@@ -544,3 +550,14 @@ def test_narrow_band_launch_table_applies_only_to_short_bounded_bands():
     assert ops._config("fwd", 128, torch.float16, 4096, 0) == wide  # a long band is full attention's case
     assert ops._config("fwd", 128, torch.float16, 1024, -1) == wide  # one side unbounded
     assert ops._config("fwd", 128, torch.float32, 1024, 0) == ops._config("fwd", 128, torch.float32)
+
+
+def test_short_sequence_forward_table():
+    import kernels.attention.ops as ops
+
+    long = ops._config("fwd", 128, torch.float16)
+    assert ops._config("fwd", 128, torch.bfloat16, -1, -1, ops._SHORT_SEQ)["BLOCK_M"] == 64
+    assert ops._config("fwd", 128, torch.float16, -1, -1, ops._SHORT_SEQ + 1) == long
+    assert ops._config("fwd", 128, torch.float32, -1, -1, 16) == ops._config("fwd", 128, torch.float32)
+    assert ops._config("dq", 128, torch.float16, -1, -1, 16) == ops._config("dq", 128, torch.float16)
+    assert ops._config("fwd", 64, torch.float16, -1, -1, 16) == ops._config("fwd", 64, torch.float16)

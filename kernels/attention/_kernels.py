@@ -21,6 +21,9 @@ Trade-offs:
   deterministic, at the cost of two more matmuls per tile pair (7 instead of 5).
 - Masks are compile-time variants of one loop (``MASKED``, ``HAS_LEFT``/``HAS_RIGHT``, ``EVEN_D``): the
   interior tiles load without a mask, which lets the loads vectorise and the pipeliner run ahead.
+- With a right edge (causal), later query blocks visit more key blocks: the forward and dQ programs take
+  query blocks last-first, so that the long ones start in the first waves and the short ones fill the
+  tail of the grid (dK/dV programs are already longest-first: key block 0 sees every query).
 - Out-of-range keys need no mask in the dK/dV kernel (their rows of dK/dV are never stored) and
   out-of-range queries none anywhere in the backward (their log-sum-exp is loaded as +inf, so P = 0).
 """
@@ -194,6 +197,8 @@ def _attn_fwd_kernel(
     VARLEN: tl.constexpr,  # packed (total, H, D) sequences delimited by cu_seqlens_q / cu_seqlens_k
 ):
     pid_m = tl.program_id(0)
+    if HAS_RIGHT:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # longest query blocks first (see the header)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -459,6 +464,8 @@ def _attn_bwd_dq_kernel(
     VARLEN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if HAS_RIGHT:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # longest query blocks first (see the header)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
