@@ -561,3 +561,13 @@ def test_short_sequence_forward_table():
     assert ops._config("fwd", 128, torch.float32, -1, -1, 16) == ops._config("fwd", 128, torch.float32)
     assert ops._config("dq", 128, torch.float16, -1, -1, 16) == ops._config("dq", 128, torch.float16)
     assert ops._config("fwd", 64, torch.float16, -1, -1, 16) == ops._config("fwd", 64, torch.float16)
+
+
+def test_full_attention_dkdv_table():
+    import kernels.attention.ops as ops
+
+    full = ops._config("dkdv", 128, torch.bfloat16)
+    assert (full["BLOCK_M"], full["BLOCK_N"], full["num_warps"], full["num_stages"]) == ops._FULL_DKDV_CONFIGS[128]
+    causal = ops._config("dkdv", 128, torch.bfloat16, -1, 0)
+    assert causal["num_stages"] == ops._CONFIGS["dkdv"][128][3] and causal != full
+    assert ops._config("dkdv", 128, torch.float32) == ops._config("dkdv", 128, torch.float32, -1, 0)
