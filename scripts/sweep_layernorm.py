@@ -26,16 +26,22 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 4 / ms / 1e6
 
 
+def bandwidth_inputs(n: int, is_rms: bool):
+    """``(m, x, w, b)`` of the bandwidth sweep: M*N = 2^27 bf16 elements, rows of ``n``; no bias for RMSNorm."""
+    m = (1 << 27) // n
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+    b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    return m, x, w, b
+
+
 def main() -> None:
     ceiling = copy_gbps()
     print(f"{torch.cuda.get_device_name()}  copy {ceiling:.0f} GB/s  (% of copy, bwd, bf16, M*N = 2^27)")
     defaults = ops._BWD_TILE, ops._BWD_ELEMENTS_PER_THREAD, ops._BWD_LOOP_STAGES
     for kind, n in itertools.product(("layer", "rms"), (256, 512, 1024, 2048, 4096, 8192)):
         is_rms = kind == "rms"
-        m = (1 << 27) // n
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
-        b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        m, x, w, b = bandwidth_inputs(n, is_rms)
         dy = torch.randn_like(x)
         _, mean, rstd = ops._norm_fwd_impl(x, w, b, 1e-5, is_rms)
         rows = []

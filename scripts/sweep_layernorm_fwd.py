@@ -18,7 +18,7 @@ import torch
 import triton.testing
 
 import kernels.layernorm.ops as ops
-from scripts.sweep_layernorm import copy_gbps
+from scripts.sweep_layernorm import bandwidth_inputs, copy_gbps
 
 
 def main() -> None:
@@ -28,10 +28,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for kind, n in itertools.product(("layer", "rms"), (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)):
         is_rms = kind == "rms"
-        m = (1 << 27) // n
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
-        b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        m, x, w, b = bandwidth_inputs(n, is_rms)
         y = torch.empty_like(x)
         mean = torch.empty(m, device="cuda", dtype=torch.float32)
         rstd = torch.empty(m, device="cuda", dtype=torch.float32)
