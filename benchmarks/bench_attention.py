@@ -1,7 +1,7 @@
 """Attention benchmarks: ours vs SDPA's flash, cuDNN and efficient backends (each forced with
-``sdpa_kernel``), FlexAttention (``torch.compile(flex_attention)``, causal through a block mask) and naive
-attention (short sequences only). Points of TARGETS.md: B * S = 16k tokens, H * D = 2048,
-D in {64, 128}, S in {1024, 4096, 16384}, causal on/off, fp16 and bf16.
+``sdpa_kernel``) and FlexAttention (``torch.compile(flex_attention)``, causal through a block mask). Points
+of TARGETS.md: B * S = 16k tokens, H * D = 2048, D in {64, 128}, S in {1024, 4096, 16384}, causal on/off,
+fp16 and bf16; the providers of a point run in alternating rounds (``measure_interleaved``).
 
 FLOPs: forward 4 * B * H * Sq * Sk * D (halved when causal), backward 2.5x the forward.
 """
@@ -9,17 +9,19 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved when causal), backward 2.5x the f
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 
-import reference.attention as twin
 from benchmarks._harness import SMOKE
 from benchmarks._peers import sdpa_attention
 from kernels.attention import flash_attention, flash_attention_varlen
 from tests._mode import DEVICE
 
-PROVIDERS = ["ours", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "naive"]
+PROVIDERS = ["ours", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]
+#: Alternating rounds per point (``FUSED_KERNELS_BENCH_ROUNDS``): the table's ratios are of medians over them.
+ROUNDS = 1 if SMOKE else int(os.environ.get("FUSED_KERNELS_BENCH_ROUNDS", "3"))
 
 
 def _points():
@@ -53,10 +55,6 @@ def _flex(s: int, causal: bool, window: int = -1):
 def _provider_fn(provider: str, s: int, causal: bool):
     if provider == "ours":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
-    if provider == "naive":
-        if s > 4096:
-            pytest.skip("naive attention materialises S x S scores: short sequences only")
-        return lambda q, k, v: twin.attention(q, k, v, causal=causal)
     if SMOKE:
         pytest.skip(f"{provider} needs a GPU")
     if provider == "flex":
@@ -67,37 +65,23 @@ def _provider_fn(provider: str, s: int, causal: bool):
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("b", "h", "s", "d", "dtype"), _points(), ids=lambda v: str(v).replace("torch.", ""))
-@pytest.mark.parametrize("provider", PROVIDERS)
-def test_attention(measure, provider, b, h, s, d, dtype, causal, direction):
-    fn = _provider_fn(provider, s, causal)
+def test_attention(measure_interleaved, b, h, s, d, dtype, causal, direction):
+    """Every provider at one point of the TARGETS table, timed in ROUNDS alternating rounds (median each)."""
     q, k, v = (torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for _ in range(3))
-    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-    try:
-        if direction == "fwd":
-            fn(q, k, v)
-            run = functools.partial(fn, q, k, v)
-            grad_to_none = None
-        else:
-            for t in (q, k, v):
-                t.requires_grad_(True)
-            out = fn(q, k, v)
-            do = torch.randn_like(out)
-            run = lambda: out.backward(do, retain_graph=True)
-            grad_to_none = [q, k, v]
-            flops *= 2.5
-    except RuntimeError as err:  # an SDPA backend that refuses this shape or dtype
-        pytest.skip(f"{provider} cannot run this point: {str(err).splitlines()[0][:120]}")
-    measure(
-        run,
-        grad_to_none=grad_to_none,
-        family="attention",
-        provider=provider,
-        direction=direction,
-        dtype=dtype,
-        shape={"B": b, "H": h, "S": s, "D": d, "causal": causal},
-        x_key="S",
-        flops=flops,
-    )
+    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * (2.5 if direction == "bwd" else 1.0)
+    runners = {}
+    for provider in PROVIDERS:
+        try:
+            fn = _provider_fn(provider, s, causal)
+            run, grad_to_none, _ = _runner(fn, q, k, v, direction, flops)
+        except pytest.skip.Exception:
+            continue
+        except RuntimeError as err:  # an SDPA backend that refuses this shape or dtype
+            print(f"{provider} cannot run this point: {str(err).splitlines()[0][:120]}")
+            continue
+        runners[provider] = (run, grad_to_none)
+    measure_interleaved(runners, rounds=ROUNDS, family="attention", direction=direction, dtype=dtype,
+                        shape={"B": b, "H": h, "S": s, "D": d, "causal": causal}, x_key="S", flops=flops)
 
 
 WINDOW = 1024

@@ -7,6 +7,8 @@ in smoke mode (see ``benchmarks/_harness.py``).
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from benchmarks import _harness
@@ -51,6 +53,37 @@ def measure(benchmark, recorder):
         record = recorder.add(ms=ms, **record_fields)
         benchmark.extra_info.update(record)
         return record
+
+    return _measure
+
+
+@pytest.fixture
+def measure_interleaved(benchmark, recorder):
+    """``measure_interleaved({provider: (fn, grad_to_none)}, rounds=, **record_fields)``
+
+    Times every provider of one point ``rounds`` times, alternating (round 1: each provider once, round 2:
+    again, ...), and records each provider's median. A GPU's speed drifts by several percent over a run; timing
+    the peers of a point side by side keeps that drift out of their ratios. Returns the records.
+    """
+
+    def _measure(runners: dict, *, rounds: int, **record_fields):
+        benchmark.group = " ".join(
+            str(record_fields[k]).replace("torch.", "") for k in ("family", "direction", "dtype")
+        )
+        times = {provider: [] for provider in runners}
+
+        def one_sweep():
+            for _ in range(rounds):
+                for provider, (fn, grad_to_none) in runners.items():
+                    times[provider].append(_harness.time_ms(fn, grad_to_none=grad_to_none))
+
+        benchmark.pedantic(one_sweep, rounds=1, iterations=1)
+        records = []
+        for provider, runs in times.items():
+            record = recorder.add(ms=statistics.median(runs), provider=provider, **record_fields)
+            benchmark.extra_info[provider] = record
+            records.append(record)
+        return records
 
     return _measure
 

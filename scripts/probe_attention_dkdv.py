@@ -54,7 +54,7 @@ def main() -> None:
                        "num_warps": c[2], "num_stages": c[3]}
                 try:
                     times[c].append(triton.testing.do_bench(
-                        lambda: ops._launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, -1, right, scale, cfg),
+                        lambda: ops._launch_bwd(do, q, k, v, lse, delta, None, dk, dv, -1, right, scale, cfg, None),
                         warmup=5, rep=30))
                 except Exception as err:  # out of resources: report once
                     print(f"  S={s} {c}: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
@@ -64,7 +64,7 @@ def main() -> None:
                 continue
             ms = statistics.median(times[c])
             print(f"S={s:5} {c}: {ms:7.3f} ms  {flops / ms / 1e9:5.0f} TFLOP/s (matmul share)", flush=True)
-    kernel = ops._attn_bwd_dkdv_kernel
+    kernel = ops._attn_bwd_kernel
     for device_cache in kernel.device_caches.values():
         for compiled in device_cache[0].values():
             md = compiled.metadata

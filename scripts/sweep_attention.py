@@ -121,10 +121,10 @@ def main() -> None:
                     delta = torch.empty_like(lse)
                     pre_ms = bench(lambda: ops._launch_bwd_preprocess(o, do, delta))
                     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                    dkdv = sweep("dkdv", DKDV, d,
-                                 lambda c: ops._launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, left, right, scale, c))
-                    dqr = sweep("dq", DQ, d,
-                                lambda c: ops._launch_bwd_dq(do, q, k, v, lse, delta, dq, left, right, scale, c))
+                    dkdv = sweep("dkdv", DKDV, d, lambda c: ops._launch_bwd(
+                        do, q, k, v, lse, delta, None, dk, dv, left, right, scale, c, None))
+                    dqr = sweep("dq", DQ, d, lambda c: ops._launch_bwd(
+                        do, q, k, v, lse, delta, dq, None, None, left, right, scale, None, c))
                     flash = sdpa_times(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
                     cudnn = sdpa_times(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
 

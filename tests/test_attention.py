@@ -340,17 +340,20 @@ def test_kernel_long_sequence_and_large_head_dim():
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("sq", "sk"), [(70, 45), (45, 70), (64, 64)], ids=str)
-def test_kernel_block_boundaries(monkeypatch, blocks, causal, sq, sk, window):
+@pytest.mark.parametrize("launches", [1, 2])
+def test_kernel_block_boundaries(monkeypatch, blocks, causal, sq, sk, window, launches):
     """Small blocks, so the masked/unmasked split of every loop (both edges of the band, the tails of Sq
-    and Sk) is crossed."""
+    and Sk) is crossed; the backward as one launch (dK/dV and dQ programs with different blocks) or two."""
     import kernels.attention.ops as ops
 
     real_config = ops._config
 
     def small_blocks(kernel, d, dtype, *band):
-        return {**real_config(kernel, d, dtype, *band), "BLOCK_M": blocks[0], "BLOCK_N": blocks[1], "num_stages": 1}
+        block_m, block_n = blocks[::-1] if kernel == "dq" else blocks
+        return {**real_config(kernel, d, dtype, *band), "BLOCK_M": block_m, "BLOCK_N": block_n, "num_stages": 1}
 
     monkeypatch.setattr(ops, "_config", small_blocks)
+    monkeypatch.setattr(ops, "_fusable", lambda dkdv_cfg, dq_cfg: launches == 1)
     q, k, v = (t.to(DEVICE) for t in _qkv(1, 2, 1, sq, sk, 16, dtype=torch.float32))
     do = torch.randn_like(q)
     kw = {"causal": causal, "window_size": window}
@@ -563,11 +566,23 @@ def test_short_sequence_forward_table():
     assert ops._config("fwd", 64, torch.float16, -1, -1, 16) == ops._config("fwd", 64, torch.float16)
 
 
-def test_full_attention_dkdv_table():
+def test_sequence_length_tables():
     import kernels.attention.ops as ops
 
-    full = ops._config("dkdv", 128, torch.bfloat16)
-    assert (full["BLOCK_M"], full["BLOCK_N"], full["num_warps"], full["num_stages"]) == ops._FULL_DKDV_CONFIGS[128]
-    causal = ops._config("dkdv", 128, torch.bfloat16, -1, 0)
-    assert causal["num_stages"] == ops._CONFIGS["dkdv"][128][3] and causal != full
-    assert ops._config("dkdv", 128, torch.float32) == ops._config("dkdv", 128, torch.float32, -1, 0)
+    assert ops._config("fwd", 64, torch.float16, -1, -1, ops._LONG_SEQ) == ops._config("fwd", 64, torch.float16)
+    assert ops._config("fwd", 64, torch.float16, -1, -1, ops._LONG_SEQ + 1)["BLOCK_M"] == 128
+    assert ops._config("fwd", 64, torch.float32, -1, -1, ops._LONG_SEQ + 1) == ops._config("fwd", 64, torch.float32)
+    assert ops._config("dkdv", 64, torch.float16, -1, 0, 16)["BLOCK_N"] == 64  # short causal: small tiles
+    assert ops._config("dkdv", 64, torch.float16, -1, -1, 16) == ops._config("dkdv", 64, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_launches_fused_where_the_tables_say(dtype):
+    import kernels.attention.ops as ops
+
+    def fused(d, right, sq):
+        return ops._fusable(*(ops._config(kernel, d, dtype, -1, right, sq) for kernel in ("dkdv", "dq")))
+
+    assert fused(128, -1, 4096) and fused(128, 0, 4096) and fused(64, -1, 4096)
+    assert fused(64, 0, ops._SHORT_SEQ) and not fused(64, 0, ops._SHORT_SEQ + 1)
+    assert not ops._fusable(*(ops._config(kernel, 128, dtype, 1024, 0) for kernel in ("dkdv", "dq")))  # narrow

@@ -227,11 +227,15 @@ def test_int_key_separates_what_triton_specialises_on():
 
 
 @triton.jit
-def _scaled_copy_kernel(src_ptr, dst_ptr, n, stride, scale, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0.0):
+def _scaled_copy_kernel(src_ptr, dst_ptr, n, stride, scale, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0.0,
+                        bias_ptr=None, HAS_BIAS: tl.constexpr = False):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = tl.load(src_ptr + offsets * stride, mask=mask)
-    tl.store(dst_ptr + offsets, x * scale + SHIFT, mask=mask)
+    y = x * scale + SHIFT
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offsets, mask=mask)
+    tl.store(dst_ptr + offsets, y, mask=mask)
 
 
 def test_eager_launches_take_the_plain_kernel_under_the_interpreter():
@@ -246,7 +250,8 @@ def test_eager_launches_take_the_plain_kernel_under_the_interpreter():
 @pytest.mark.cuda
 def test_fast_launcher_matches_triton_for_every_specialisation():
     """Cached launches must use a kernel compiled for the same specialisation: misaligned views, ints equal
-    to 1 or divisible by 16, constexpr defaults and overrides, after the first call of each."""
+    to 1 or divisible by 16, constexpr defaults and overrides, run-time arguments passed by keyword, an
+    absent (None) pointer, after the first call of each."""
     from triton import knobs
 
     from kernels._common.launch import FastLauncher
@@ -254,14 +259,21 @@ def test_fast_launcher_matches_triton_for_every_specialisation():
     launcher = FastLauncher(_scaled_copy_kernel)
     base = torch.randn(4096 + 3, device="cuda", dtype=torch.float16)
     cases = [(base, 4096, 1, {}), (base[1:], 4095, 1, {}), (base[3:], 1, 1, {}), (base, 2048, 2, {}),
-             (base[1:], 1365, 3, {"SHIFT": 1.5}), (base.float()[5:], 1000, 4, {"num_warps": 2})]
+             (base[1:], 1365, 3, {"SHIFT": 1.5}), (base.float()[5:], 1000, 4, {"num_warps": 2}),
+             (base, 512, 1, {"bias_ptr": base[7:], "HAS_BIAS": True}), (base, 512, 1, {"bias_ptr": None})]
     for _ in range(2):  # the second round takes the cached path
         for src, n, stride, extra in cases:
             dst = torch.full((n,), float("nan"), device="cuda", dtype=src.dtype)
             launcher[(triton.cdiv(n, 128),)](src, dst, n, stride, 2.0, BLOCK=128, **extra)
             expected = src[: n * stride : stride] * 2.0 + extra.get("SHIFT", 0.0)
+            if extra.get("HAS_BIAS"):
+                expected = expected + extra["bias_ptr"][:n]
             torch.testing.assert_close(dst, expected)
-    assert len(launcher._compiled) == len(cases)
+        scale = torch.tensor(3.0).item()  # a run-time argument by keyword: a new value, the cached kernel
+        dst = torch.empty(512, device="cuda", dtype=base.dtype)
+        launcher[(4,)](base, dst, 512, 1, scale=scale, BLOCK=128)
+        torch.testing.assert_close(dst, base[:512] * 3.0)
+    assert len(launcher._compiled) == len(cases) - 1  # the None bias is the default's specialisation
     seen = []
     hook = lambda metadata: seen.append(metadata)
     knobs.runtime.launch_enter_hook.add(hook)

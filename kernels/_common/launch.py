@@ -53,13 +53,14 @@ class FastLauncher:
 
     Falls back to the plain Triton launch under the interpreter, when a launch hook is installed (a
     profiler such as proton must see every launch), when the tensors are not on the current device,
-    and for arguments of any other kind. Non-constexpr arguments must be positional and constexprs
-    keywords, as every call site here does; anything else also takes the plain launch.
+    and for arguments of any other kind. Arguments bind as in Python (positional, then keywords, then
+    the signature's defaults); keywords that are not parameters are launch options (``num_warps``...).
     """
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self._params = list(kernel.params)
+        self._params = tuple((p.name, p.is_constexpr, p.has_default, p.default) for p in kernel.params)
+        self._names = {p.name for p in kernel.params}
         self._compiled: dict[tuple, tuple] = {}
 
     def __getitem__(self, grid):
@@ -70,51 +71,47 @@ class FastLauncher:
             return self.kernel[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         key = [device]
-        values = []
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
+        values = []  # one per parameter, in signature order (the compiled launcher skips the constexprs)
+        n_args = len(args)
+        for i, (name, is_constexpr, has_default, default) in enumerate(self._params):
+            if i < n_args:
+                arg = args[i]
+            elif name in kwargs:
+                arg = kwargs[name]
+            elif has_default:
+                arg = default
+            else:
+                return self.kernel[grid](*args, **kwargs)  # let Triton report the missing argument
+            values.append(arg)
+            if is_constexpr:
+                key.append(arg)
+            elif isinstance(arg, torch.Tensor):
                 if arg.device.index != device:
                     return self.kernel[grid](*args, **kwargs)
                 address = arg.data_ptr()
                 key.append((arg.dtype, address & 15 == 0))
-                values.append(address)
+                values[-1] = address
             elif isinstance(arg, (bool, float)):
                 key.append(type(arg))
-                values.append(arg)
+            elif arg is None:  # an absent pointer: Triton makes it a constant
+                key.append(None)
             elif isinstance(arg, int):
                 key.append(_int_key(arg))
-                values.append(arg)
             else:
                 return self.kernel[grid](*args, **kwargs)
-        key.append(tuple(kwargs.items()))
+        key.extend(item for item in kwargs.items() if item[0] not in self._names)
         key = tuple(key)
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            self._remember(key, compiled, len(args), kwargs)
+            if compiled is not None:
+                compiled._init_handles()
+                self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             return compiled
-        run, function, metadata, tail = entry
+        run, function, metadata = entry
         g0, g1, g2 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
-        run(g0, g1, g2, _current_raw_stream(device), function, metadata, None, None, None, *values, *tail)
+        run(g0, g1, g2, _current_raw_stream(device), function, metadata, None, None, None, *values)
         return None
-
-    def _remember(self, key, compiled, n_positional: int, kwargs: dict) -> None:
-        """Cache ``compiled`` with the values of the parameters after the positional ones (constexprs, from
-        the keywords or their defaults, in signature order), if the call had the expected form."""
-        if compiled is None or any(p.is_constexpr for p in self._params[:n_positional]):
-            return
-        tail = []
-        for p in self._params[n_positional:]:
-            if not p.is_constexpr:
-                return
-            if p.name in kwargs:
-                tail.append(kwargs[p.name])
-            elif p.has_default:
-                tail.append(p.default)
-            else:
-                return
-        compiled._init_handles()
-        self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(tail))
 
 
 @functools.cache
@@ -162,12 +159,14 @@ def l2_cache_bytes(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).L2_cache_size
 
 
-def unused_pointer(like: torch.Tensor) -> torch.Tensor:
-    """A one-element tensor to pass for a pointer that a compile-time branch never touches.
+def unused_pointer(like: torch.Tensor, traceable: bool = True) -> torch.Tensor | None:
+    """What to pass for a pointer that a compile-time branch never touches: None in eager launches (Triton
+    makes it a constant: no allocation), a one-element tensor on ``like``'s device when ``traceable``
+    (``wrap_triton`` wants tensors).
 
     Never pass another argument of the same launch instead: inside torch.compile a Triton launch is
     functionalized by cloning each argument the kernel may write, one clone per argument, and the
     caller's tensor is replaced by the clones in argument order. Two arguments sharing storage then leave
     the caller with whichever clone came last, possibly the unwritten one (torch's own note on this is in
     ``torch/_higher_order_ops/triton_kernel_wrap.py``, "if two kernel inputs are views of each other")."""
-    return torch.empty(1, device=like.device, dtype=torch.int32)
+    return torch.empty(1, device=like.device, dtype=torch.int32) if traceable else None

@@ -311,34 +311,18 @@ def _attn_bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
-def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,
-    lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32; packed: (Hq, total_q)
-    dk_ptr, dv_ptr,  # outputs, laid out as k
-    cu_seqlens_q, cu_seqlens_k,
-    stride_lb, stride_lh,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_dob, stride_doh, stride_dos, stride_dod,
-    stride_dkb, stride_dkh, stride_dks, stride_dkd,  # dk and dv share one layout
-    Hq, Hkv, GROUP, Sq, Sk, D,
-    scale,
-    LEFT, RIGHT,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    seed_lo, seed_hi, threshold, inv_keep,  # attention dropout, as in the forward
-    DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    VARLEN: tl.constexpr,
+@triton.jit
+def _attn_bwd_dkdv_program(
+    pid_n, pid_bh,  # this program's key block, and batch * key/value head
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_q, cu_seqlens_k, stride_lb, stride_lh,
+    stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd, stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd, Hq, Hkv, GROUP, Sq, Sk, D, scale, LEFT, RIGHT,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """dK and dV of one key block of one key/value head, over every query that sees it."""
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     n0 = pid_n * BLOCK_N
@@ -437,36 +421,18 @@ def _attn_bwd_dq_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
-def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,
-    lse_ptr, delta_ptr,
-    dq_ptr,  # output, laid out as q
-    cu_seqlens_q, cu_seqlens_k,
-    stride_lb, stride_lh,
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_dob, stride_doh, stride_dos, stride_dod,
-    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
-    Hq, GROUP, Sq, Sk, D,
-    scale,
-    LEFT, RIGHT,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    seed_lo, seed_hi, threshold, inv_keep,  # attention dropout, as in the forward
-    DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    VARLEN: tl.constexpr,
+@triton.jit
+def _attn_bwd_dq_program(
+    pid_m, pid_bh,  # this program's query block, and batch * query head
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_q, cu_seqlens_k, stride_lb, stride_lh,
+    stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd, stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd, Hq, GROUP, Sq, Sk, D, scale, LEFT, RIGHT,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    if HAS_RIGHT:
-        pid_m = tl.num_programs(0) - 1 - pid_m  # longest query blocks first (see the header)
-    pid_bh = tl.program_id(1)
+    """dQ of one query block of one query head, over every key it sees."""
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUP
@@ -513,3 +479,64 @@ def _attn_bwd_dq_kernel(
     dq_ptrs = (_head_base(dq_ptr, b, h, stride_dqb, stride_dqh, q_start, stride_dqs)
                + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd)
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
+def _attn_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B, H, S, D); packed: (total, H, D)
+    lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32; packed: (Hq, total_q)
+    dq_ptr, dk_ptr, dv_ptr,  # outputs, laid out as q, k, k
+    cu_seqlens_q, cu_seqlens_k,
+    stride_lb, stride_lh,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,  # dk and dv share one layout
+    Hq, Hkv, GROUP, Sq, Sk, D,
+    scale,
+    LEFT, RIGHT,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    seed_lo, seed_hi, threshold, inv_keep,  # attention dropout, as in the forward
+    DROPOUT: tl.constexpr,
+    kv_blocks,  # key blocks per head (of KV_BLOCK_N keys)
+    kv_programs,  # kv_blocks * B * Hkv when DKDV, else 0
+    q_blocks,  # query blocks per head (of Q_BLOCK_M queries)
+    DKDV: tl.constexpr,  # the first kv_programs programs compute dK/dV
+    DQ: tl.constexpr,  # the programs after them compute dQ
+    KV_BLOCK_M: tl.constexpr,  # dK/dV programs: queries per step, keys per program
+    KV_BLOCK_N: tl.constexpr,
+    Q_BLOCK_M: tl.constexpr,  # dQ programs: queries per program, keys per step
+    Q_BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if DKDV:  # noqa: SIM102  (a compile-time branch around a run-time one)
+        if pid < kv_programs:
+            _attn_bwd_dkdv_program(
+                pid % kv_blocks, pid // kv_blocks, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                cu_seqlens_q, cu_seqlens_k, stride_lb, stride_lh, stride_qb, stride_qh, stride_qs, stride_qd,
+                stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
+                stride_dob, stride_doh, stride_dos, stride_dod, stride_dkb, stride_dkh, stride_dks, stride_dkd,
+                Hq, Hkv, GROUP, Sq, Sk, D, scale, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
+                seed_lo, seed_hi, threshold, inv_keep, DROPOUT, KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, EVEN_D, DOT_PRECISION,
+                VARLEN)
+            return
+    if DQ:
+        pid -= kv_programs
+        pid_m = pid % q_blocks
+        if HAS_RIGHT:
+            pid_m = q_blocks - 1 - pid_m  # longest query blocks first (see the header)
+        _attn_bwd_dq_program(
+            pid_m, pid // q_blocks, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+            cu_seqlens_q, cu_seqlens_k, stride_lb, stride_lh, stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
+            stride_dob, stride_doh, stride_dos, stride_dod, stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+            Hq, GROUP, Sq, Sk, D, scale, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
+            seed_lo, seed_hi, threshold, inv_keep, DROPOUT, Q_BLOCK_M, Q_BLOCK_N, BLOCK_D, EVEN_D, DOT_PRECISION,
+            VARLEN)

@@ -30,8 +30,7 @@ from kernels._common import (
     unused_pointer,
 )
 from kernels.attention._kernels import (
-    _attn_bwd_dkdv_kernel,
-    _attn_bwd_dq_kernel,
+    _attn_bwd_kernel,
     _attn_bwd_preprocess_kernel,
     _attn_fwd_kernel,
 )
@@ -41,12 +40,14 @@ _MAX_HEAD_DIM = 1024
 
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, for 16-bit inputs
 # and for fp32 (twice the bytes per tile, IEEE dots). BLOCK_M is the query block and BLOCK_N the key
-# block in every kernel. See the README's performance notes for how these were chosen.
+# block in every kernel. When the dK/dV and dQ configs of a call agree on warps and stages, both run as one
+# launch (``_fusable``). See the README's performance notes for how these were chosen.
 _CONFIGS = {
     "fwd": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 2), 256: (32, 32, 4, 2)},
+    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 32, 4, 2)},
     "dq": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (32, 32, 4, 2)},
 }
+# Entries that replace _CONFIGS in some cases, looked up in this order (``_config``); all for 16-bit inputs.
 # Sliding windows of at most _NARROW_BAND keys (both sides bounded): each query block visits ~17 key
 # blocks, so the short loops favour smaller query blocks. Chosen with `sweep_attention.py --window 1024`
 # (B=1, S=16384, causal window 1024, H200, fp16): fwd D=128 +10% over _CONFIGS, dK/dV +8% at D=64 and 128,
@@ -57,15 +58,21 @@ _NARROW_BAND_CONFIGS = {
     "dkdv": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3)},
     "dq": {64: (64, 32, 4, 3), 128: (128, 64, 8, 3)},
 }
-# Short sequences (Sq <= _SHORT_SEQ), 16-bit, forward at padded D = 128: 64-row query blocks and 4 warps beat the
-# 128-row table entry in two sweeps on the H200 (S = 1024, fp16): 428 vs 398 and 424 vs 399 TFLOP/s non-causal,
-# 319 vs 296 and 321 vs 296 causal (`attention-sweep.txt`, `attention-fwd-sweep-2026-11-22.txt`).
+# Short sequences (Sq <= _SHORT_SEQ). Forward at D = 128: 64-row query blocks and 4 warps beat the 128-row
+# entry in two sweeps on the H200 (S = 1024, fp16): 428 vs 398 and 424 vs 399 TFLOP/s non-causal, 319 vs 296 and
+# 321 vs 296 causal (`attention-sweep.txt`, `attention-fwd-sweep-2026-11-22.txt`). With a band edge (causal),
+# D = 64: small dK/dV and dQ tiles in one launch, +9% over the two-launch entries at S = 1024 (-6% at 16384)
+# (`attention-bwd-fusion-probe.txt`).
 _SHORT_SEQ = 1024
-_SHORT_SEQ_FWD_CONFIGS = {128: (64, 64, 4, 3)}
-# Full attention (no band edge), 16-bit, dK/dV at padded D = 128: 3 stages instead of 2. Its one unmasked
-# loop takes the extra stage (164 KB of shared memory, no spills), 11-16% less time at S = 1024-16384 on the
-# H200. The causal kernel's two loops gain nothing from it (0-3% slower) (`attention-dkdv-probe.txt`).
-_FULL_DKDV_CONFIGS = {128: (64, 128, 8, 3)}
+_SHORT_SEQ_CONFIGS = {"fwd": {128: (64, 64, 4, 3)}}
+_SHORT_BAND_CONFIGS = {"dkdv": {64: (32, 64, 4, 3)}, "dq": {64: (64, 64, 4, 3)}}
+# Long sequences (Sq > _LONG_SEQ), forward at D = 64: 128-row query blocks and 8 warps, 410-415 vs 396 TFLOP/s
+# non-causal and 383-403 vs 380-398 causal at S = 16384 in two sweeps (`attention-fwd-sweep-2026-11-22.txt`).
+_LONG_SEQ = 4096
+_LONG_SEQ_CONFIGS = {"fwd": {64: (128, 64, 8, 3)}}
+# Full attention (no band edge), dQ at D = 64 with 4 warps, so that it shares one launch with dK/dV: +5%, +8%,
+# +1% at S = 1024, 4096, 16384 (`attention-bwd-fusion-probe.txt`).
+_FULL_CONFIGS = {"dq": {64: (128, 64, 4, 3)}}
 _FP32_CONFIG = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (32, 32, 4, 2), 256: (32, 16, 4, 1)}
 # Head dims above 256 (up to 1024): small blocks so that the tiles fit in shared memory.
 _WIDE_CONFIGS = {"fwd": (32, 64, 8, 1), "dkdv": (16, 16, 8, 2), "dq": (16, 32, 8, 1)}
@@ -81,23 +88,25 @@ def _block_d(d: int) -> int:
 
 def _config(kernel: str, d: int, dtype: torch.dtype, left: int = -1, right: int = -1, sq: int | None = None) -> dict:
     """Launch parameters of ``kernel`` ("fwd", "dkdv" or "dq") for head dim ``d``, the band ``(left, right)``
-    of ``_band`` (-1: unbounded side) and ``sq`` queries (the longest sequence when packed; None: long)."""
+    of ``_band`` (-1: unbounded side) and ``sq`` queries (the longest sequence when packed; None: unknown)."""
     block_d = _block_d(d)
-    narrow = left >= 0 and right >= 0 and left + right + 1 <= _NARROW_BAND
-    short = (kernel == "fwd" and sq is not None and sq <= _SHORT_SEQ and dtype != torch.float32
-             and block_d in _SHORT_SEQ_FWD_CONFIGS)
-    if narrow and dtype != torch.float32 and block_d in _NARROW_BAND_CONFIGS[kernel]:
-        block_m, block_n, warps, stages = _NARROW_BAND_CONFIGS[kernel][block_d]
-    elif short:
-        block_m, block_n, warps, stages = _SHORT_SEQ_FWD_CONFIGS[block_d]
-    elif kernel == "dkdv" and left < 0 and right < 0 and dtype != torch.float32 and block_d in _FULL_DKDV_CONFIGS:
-        block_m, block_n, warps, stages = _FULL_DKDV_CONFIGS[block_d]
-    elif block_d > 256:
+    if block_d > 256:
         block_m, block_n, warps, stages = _WIDE_FP32_CONFIG if dtype == torch.float32 else _WIDE_CONFIGS[kernel]
     elif dtype == torch.float32:
         block_m, block_n, warps, stages = _FP32_CONFIG[block_d]
     else:
-        block_m, block_n, warps, stages = _CONFIGS[kernel][block_d]
+        full = left < 0 and right < 0
+        short = sq is not None and sq <= _SHORT_SEQ
+        tables = [
+            (left >= 0 and right >= 0 and left + right + 1 <= _NARROW_BAND, _NARROW_BAND_CONFIGS),
+            (short, _SHORT_SEQ_CONFIGS),
+            (short and not full, _SHORT_BAND_CONFIGS),
+            (sq is not None and sq > _LONG_SEQ, _LONG_SEQ_CONFIGS),
+            (full, _FULL_CONFIGS),
+        ]
+        entry = next((table[kernel][block_d] for applies, table in tables
+                      if applies and block_d in table.get(kernel, {})), _CONFIGS[kernel][block_d])
+        block_m, block_n, warps, stages = entry
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "EVEN_D": d == block_d,
             "num_warps": warps, "num_stages": stages}
 
@@ -142,12 +151,11 @@ def _dims(q, k, varlen) -> tuple[int, int, int, int, int, int]:
     return cu_q.numel() - 1, q.shape[1], k.shape[1], max_sq, max_sk, q.shape[2]
 
 
-def _seq_args(lse, varlen) -> tuple:
+def _seq_args(lse, varlen, traceable: bool) -> tuple:
     """The kernels' (cu_seqlens_q, cu_seqlens_k, stride_lb, stride_lh) for a (B, Hq, Sq) or (Hq, total_q)
-    statistic ``lse``. Dense launches pass a never-read placeholder for the cumulative lengths."""
+    statistic ``lse``. Dense launches pass never-read placeholders for the cumulative lengths."""
     if varlen is None:
-        unused = unused_pointer(lse)
-        return unused, unused, lse.stride(0), lse.stride(1)
+        return unused_pointer(lse, traceable), unused_pointer(lse, traceable), lse.stride(0), lse.stride(1)
     return varlen[0], varlen[1], 0, lse.stride(0)
 
 
@@ -156,7 +164,7 @@ def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict,
     b, hq, hkv, sq, sk, d = _dims(q, k, varlen)
     grid = (cdiv(sq, cfg["BLOCK_M"]), b * hq)
     kernel_for(_attn_fwd_kernel, traceable=traceable)[grid](
-        q, k, v, o, lse, *_seq_args(lse, varlen), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        q, k, v, o, lse, *_seq_args(lse, varlen, traceable), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         hq, hq // hkv, sq, sk, d, scale * 1.4426950408889634,
         DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **_band(left, right), **drop, **cfg,
     )
@@ -166,33 +174,44 @@ def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False):
     b, hq, _, sq, _, d = _dims(o, o, varlen)
     block_d = _block_d(d)
     block_m = max(16, min(128, 8192 // block_d))
-    cu_q, _, stride_lb, stride_lh = _seq_args(delta, varlen)
+    cu_q, _, stride_lb, stride_lh = _seq_args(delta, varlen, traceable)
     kernel_for(_attn_bwd_preprocess_kernel, traceable=traceable)[(cdiv(sq, block_m), b * hq)](
         o, do, delta, cu_q, stride_lb, stride_lh, *_strides(o), *_strides(do), hq, sq, d,
         BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=d == block_d, VARLEN=varlen is not None,
     )
 
 
-def _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, left: int, right: int, scale: float, cfg: dict,
-                     drop: dict = _NO_DROPOUT, varlen=None, *, traceable=False):
+def _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scale: float, dkdv_cfg: dict | None,
+                dq_cfg: dict | None, drop: dict = _NO_DROPOUT, varlen=None, *, traceable=False):
+    """One launch of ``_attn_bwd_kernel``: dK/dV programs (``dkdv_cfg``; writes ``dk``, ``dv``) then dQ programs
+    (``dq_cfg``; writes ``dq``). A None config leaves that part out, and its outputs may be None. Both parts in
+    one launch share ``num_warps`` and ``num_stages``: the dQ config's are ignored when both are given."""
     b, hq, hkv, sq, sk, d = _dims(q, k, varlen)
-    kernel_for(_attn_bwd_dkdv_kernel, traceable=traceable)[(cdiv(sk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, *_seq_args(lse, varlen),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-        hq, hkv, hq // hkv, sq, sk, d, scale,
-        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **_band(left, right), **drop, **cfg,
+    kv_blocks = cdiv(sk, dkdv_cfg["BLOCK_N"]) if dkdv_cfg else 1
+    kv_programs = kv_blocks * b * hkv if dkdv_cfg else 0
+    q_blocks = cdiv(sq, dq_cfg["BLOCK_M"]) if dq_cfg else 1
+    q_programs = q_blocks * b * hq if dq_cfg else 0
+    kv_cfg, q_cfg = dkdv_cfg or dq_cfg, dq_cfg or dkdv_cfg
+    dq_strides, dk_strides = _strides(q if dq is None else dq), _strides(k if dk is None else dk)  # dv: as dk
+    if dq is None:
+        dq = unused_pointer(q, traceable)
+    if dk is None:
+        dk, dv = unused_pointer(q, traceable), unused_pointer(q, traceable)
+    kernel_for(_attn_bwd_kernel, traceable=traceable)[(kv_programs + q_programs,)](
+        q, k, v, do, lse, delta, dq, dk, dv, *_seq_args(lse, varlen, traceable),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *dq_strides, *dk_strides,
+        hq, hkv, hq // hkv, sq, sk, d, scale, **_band(left, right), **drop,
+        kv_blocks=kv_blocks, kv_programs=kv_programs, q_blocks=q_blocks,
+        DKDV=dkdv_cfg is not None, DQ=dq_cfg is not None, KV_BLOCK_M=kv_cfg["BLOCK_M"], KV_BLOCK_N=kv_cfg["BLOCK_N"],
+        Q_BLOCK_M=q_cfg["BLOCK_M"], Q_BLOCK_N=q_cfg["BLOCK_N"], BLOCK_D=kv_cfg["BLOCK_D"], EVEN_D=kv_cfg["EVEN_D"],
+        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, num_warps=kv_cfg["num_warps"],
+        num_stages=kv_cfg["num_stages"],
     )
 
 
-def _launch_bwd_dq(do, q, k, v, lse, delta, dq, left: int, right: int, scale: float, cfg: dict,
-                   drop: dict = _NO_DROPOUT, varlen=None, *, traceable=False):
-    b, hq, hkv, sq, sk, d = _dims(q, k, varlen)
-    kernel_for(_attn_bwd_dq_kernel, traceable=traceable)[(cdiv(sq, cfg["BLOCK_M"]), b * hq)](
-        q, k, v, do, lse, delta, dq, *_seq_args(lse, varlen),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        hq, hq // hkv, sq, sk, d, scale,
-        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **_band(left, right), **drop, **cfg,
-    )
+def _fusable(dkdv_cfg: dict, dq_cfg: dict) -> bool:
+    """Whether dK/dV and dQ run as one launch: when their configs agree on warps and pipeline stages."""
+    return dkdv_cfg["num_warps"] == dq_cfg["num_warps"] and dkdv_cfg["num_stages"] == dq_cfg["num_stages"]
 
 
 def _twin_forward(q, k, v, left, right, scale, dropout_p, seed, varlen):
@@ -242,9 +261,16 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     delta = torch.empty_like(lse)
     _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     drop = _dropout_args(dropout_p, seed)
-    dkdv_cfg, dq_cfg = (_config(kernel, d, q.dtype, left, right) for kernel in ("dkdv", "dq"))
-    _launch_bwd_dkdv(do, q, k, v, lse, delta, dk, dv, left, right, scale, dkdv_cfg, drop, varlen, traceable=traceable)
-    _launch_bwd_dq(do, q, k, v, lse, delta, dq, left, right, scale, dq_cfg, drop, varlen, traceable=traceable)
+    sq = _dims(q, k, varlen)[3]
+    dkdv_cfg, dq_cfg = (_config(kernel, d, q.dtype, left, right, sq) for kernel in ("dkdv", "dq"))
+    if _fusable(dkdv_cfg, dq_cfg):
+        _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left, right, scale, dkdv_cfg, dq_cfg, drop, varlen,
+                    traceable=traceable)
+    else:
+        _launch_bwd(do, q, k, v, lse, delta, None, dk, dv, left, right, scale, dkdv_cfg, None, drop, varlen,
+                    traceable=traceable)
+        _launch_bwd(do, q, k, v, lse, delta, dq, None, None, left, right, scale, None, dq_cfg, drop, varlen,
+                    traceable=traceable)
     return dq, dk, dv
 
 
@@ -316,7 +342,11 @@ def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max
     args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk)
     if torch.compiler.is_compiling():
         return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, *args)
-    return _FlashAttentionFunction.apply(q, k, v, *args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashAttentionFunction.apply(q, k, v, *args)
+    # Nothing to differentiate: skip autograd.Function.apply, whose host cost is a sizeable part of a
+    # short forward's (scripts/probe_attention_bwd_fusion.py, section 1).
+    return _fwd_impl(q, k, v, left, right, scale, dropout_p, seed, _varlen(cu_q, cu_k, max_sq, max_sk))
 
 
 def _resolve_dropout(dropout_p, seed, device) -> tuple[float, int]:

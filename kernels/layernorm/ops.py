@@ -144,11 +144,8 @@ def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _or_unused(t: torch.Tensor | None, like: torch.Tensor, traceable: bool):
-    """``t``, or for an argument a compile-time branch never reads: None in eager launches (Triton makes it a
-    constant; no allocation), a one-element tensor when traced (see ``unused_pointer``)."""
-    if t is not None:
-        return t
-    return unused_pointer(like) if traceable else None
+    """``t``, or a placeholder for an argument a compile-time branch never reads (see ``unused_pointer``)."""
+    return t if t is not None else unused_pointer(like, traceable)
 
 
 def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, traceable=False):
