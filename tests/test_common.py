@@ -227,8 +227,8 @@ def test_int_key_separates_what_triton_specialises_on():
 
 
 @triton.jit
-def _scaled_copy_kernel(src_ptr, dst_ptr, n, stride, scale, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0.0,
-                        bias_ptr=None, HAS_BIAS: tl.constexpr = False):
+def _scaled_copy_kernel(src_ptr, dst_ptr, n, stride, scale, bias_ptr, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0.0,
+                        HAS_BIAS: tl.constexpr = False):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = tl.load(src_ptr + offsets * stride, mask=mask)
@@ -250,8 +250,8 @@ def test_eager_launches_take_the_plain_kernel_under_the_interpreter():
 @pytest.mark.cuda
 def test_fast_launcher_matches_triton_for_every_specialisation():
     """Cached launches must use a kernel compiled for the same specialisation: misaligned views, ints equal
-    to 1 or divisible by 16, constexpr defaults and overrides, run-time arguments passed by keyword, an
-    absent (None) pointer, after the first call of each."""
+    to 1 or divisible by 16, constexpr defaults and overrides, an absent (None) pointer, after the first call
+    of each. Run-time arguments by keyword take the plain launch (and are still right)."""
     from triton import knobs
 
     from kernels._common.launch import FastLauncher
@@ -260,27 +260,58 @@ def test_fast_launcher_matches_triton_for_every_specialisation():
     base = torch.randn(4096 + 3, device="cuda", dtype=torch.float16)
     cases = [(base, 4096, 1, {}), (base[1:], 4095, 1, {}), (base[3:], 1, 1, {}), (base, 2048, 2, {}),
              (base[1:], 1365, 3, {"SHIFT": 1.5}), (base.float()[5:], 1000, 4, {"num_warps": 2}),
-             (base, 512, 1, {"bias_ptr": base[7:], "HAS_BIAS": True}), (base, 512, 1, {"bias_ptr": None})]
+             (base, 512, 1, {"HAS_BIAS": True})]
     for _ in range(2):  # the second round takes the cached path
         for src, n, stride, extra in cases:
             dst = torch.full((n,), float("nan"), device="cuda", dtype=src.dtype)
-            launcher[(triton.cdiv(n, 128),)](src, dst, n, stride, 2.0, BLOCK=128, **extra)
+            bias = base[7:] if extra.get("HAS_BIAS") else None  # None: an absent pointer
+            launcher[(triton.cdiv(n, 128),)](src, dst, n, stride, 2.0, bias, BLOCK=128, **extra)
             expected = src[: n * stride : stride] * 2.0 + extra.get("SHIFT", 0.0)
-            if extra.get("HAS_BIAS"):
-                expected = expected + extra["bias_ptr"][:n]
+            if bias is not None:
+                expected = expected + bias[:n]
             torch.testing.assert_close(dst, expected)
-        scale = torch.tensor(3.0).item()  # a run-time argument by keyword: a new value, the cached kernel
-        dst = torch.empty(512, device="cuda", dtype=base.dtype)
-        launcher[(4,)](base, dst, 512, 1, scale=scale, BLOCK=128)
-        torch.testing.assert_close(dst, base[:512] * 3.0)
-    assert len(launcher._compiled) == len(cases) - 1  # the None bias is the default's specialisation
+    assert len(launcher._compiled) == len(cases)
+    dst = torch.empty(512, device="cuda", dtype=base.dtype)
+    launcher[(4,)](base, dst, 512, 1, scale=3.0, bias_ptr=None, BLOCK=128)  # run-time keywords: the plain launch
+    torch.testing.assert_close(dst, base[:512] * 3.0)
+    assert len(launcher._compiled) == len(cases)
     seen = []
     hook = lambda metadata: seen.append(metadata)
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         dst = torch.empty(16, device="cuda", dtype=base.dtype)
-        launcher[(1,)](base, dst, 16, 1, 1.0, BLOCK=128)
+        launcher[(1,)](base, dst, 16, 1, 1.0, None, BLOCK=128)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 1  # a profiler's hook sees the launch: the plain path ran
     torch.testing.assert_close(dst, base[:16])
+
+
+@pytest.mark.cuda
+def test_every_family_launch_takes_the_cached_path():
+    """Each eager launch of the three families must be of the form FastLauncher caches (run-time arguments
+    positional, constexprs by keyword): another form still runs, through Triton's slower plain launch, and
+    nothing else would notice."""
+    import kernels.attention.ops as attention_ops
+    import kernels.dropout.ops as dropout_ops
+    import kernels.layernorm.ops as layernorm_ops
+    from kernels._common.launch import _fast_launcher
+    from kernels.attention import flash_attention
+    from kernels.dropout import dropout
+    from kernels.layernorm import layer_norm, rms_norm
+
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    w = torch.ones(256, device="cuda", requires_grad=True)
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    for _ in range(2):
+        dropout(x, 0.5).sum().backward()
+        layer_norm(x, 256, w, w).sum().backward()
+        rms_norm(x, 256, w).sum().backward()
+        for causal in (False, True):
+            flash_attention(q, k, v, causal=causal, dropout_p=0.1).sum().backward()
+    kernels = {obj for module in (attention_ops, dropout_ops, layernorm_ops) for obj in vars(module).values()
+               if isinstance(obj, triton.runtime.jit.JITFunction)}
+    launched = [kernel for kernel in kernels if any(cache[0] for cache in kernel.device_caches.values())]
+    assert len(launched) >= 5
+    missing = [kernel.__name__ for kernel in launched if not _fast_launcher(kernel)._compiled]
+    assert not missing, f"launches that never take the cached path: {missing}"

@@ -53,14 +53,17 @@ class FastLauncher:
 
     Falls back to the plain Triton launch under the interpreter, when a launch hook is installed (a
     profiler such as proton must see every launch), when the tensors are not on the current device,
-    and for arguments of any other kind. Arguments bind as in Python (positional, then keywords, then
-    the signature's defaults); keywords that are not parameters are launch options (``num_warps``...).
+    and for arguments of any other kind. The cached path needs every run-time argument positional and
+    every constexpr by keyword (kernels list their run-time parameters first); a call of another form
+    works but takes the plain launch every time (``tests/test_common.py`` checks each family's calls).
+    The loop below runs for every argument of every launch: it dispatches on exact types and inlines
+    :func:`_int_key`, because a Python function call per argument cost ~20 us per attention launch on
+    the H200 host (``scripts/profile_attention_host.py``).
     """
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self._params = tuple((p.name, p.is_constexpr, p.has_default, p.default) for p in kernel.params)
-        self._names = {p.name for p in kernel.params}
+        self._params = list(kernel.params)
         self._compiled: dict[tuple, tuple] = {}
 
     def __getitem__(self, grid):
@@ -71,47 +74,59 @@ class FastLauncher:
             return self.kernel[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         key = [device]
-        values = []  # one per parameter, in signature order (the compiled launcher skips the constexprs)
-        n_args = len(args)
-        for i, (name, is_constexpr, has_default, default) in enumerate(self._params):
-            if i < n_args:
-                arg = args[i]
-            elif name in kwargs:
-                arg = kwargs[name]
-            elif has_default:
-                arg = default
-            else:
-                return self.kernel[grid](*args, **kwargs)  # let Triton report the missing argument
-            values.append(arg)
-            if is_constexpr:
-                key.append(arg)
+        values = []
+        for arg in args:
+            kind = type(arg)
+            if kind is int:
+                key.append((arg == 1, arg & 15 == 0,
+                            0 if _I32_MIN <= arg <= _I32_MAX else (2 if arg >= _U64_MIN else 1)))
+                values.append(arg)
+            elif kind is float or kind is bool:
+                key.append(kind)
+                values.append(arg)
+            elif arg is None:  # an absent pointer: Triton makes it a constant
+                key.append(None)
+                values.append(None)
             elif isinstance(arg, torch.Tensor):
                 if arg.device.index != device:
                     return self.kernel[grid](*args, **kwargs)
                 address = arg.data_ptr()
                 key.append((arg.dtype, address & 15 == 0))
-                values[-1] = address
-            elif isinstance(arg, (bool, float)):
-                key.append(type(arg))
-            elif arg is None:  # an absent pointer: Triton makes it a constant
-                key.append(None)
-            elif isinstance(arg, int):
+                values.append(address)
+            elif isinstance(arg, int) and not isinstance(arg, bool):  # an int subclass
                 key.append(_int_key(arg))
+                values.append(int(arg))
             else:
                 return self.kernel[grid](*args, **kwargs)
-        key.extend(item for item in kwargs.items() if item[0] not in self._names)
+        key.append(tuple(kwargs.items()))
         key = tuple(key)
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            if compiled is not None:
-                compiled._init_handles()
-                self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            self._remember(key, compiled, len(args), kwargs)
             return compiled
-        run, function, metadata = entry
+        run, function, metadata, tail = entry
         g0, g1, g2 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
-        run(g0, g1, g2, _current_raw_stream(device), function, metadata, None, None, None, *values)
+        run(g0, g1, g2, _current_raw_stream(device), function, metadata, None, None, None, *values, *tail)
         return None
+
+    def _remember(self, key, compiled, n_positional: int, kwargs: dict) -> None:
+        """Cache ``compiled`` with the values of the parameters after the positional ones (constexprs, from
+        the keywords or their defaults, in signature order), if the call had the expected form."""
+        if compiled is None or any(p.is_constexpr for p in self._params[:n_positional]):
+            return
+        tail = []
+        for p in self._params[n_positional:]:
+            if not p.is_constexpr:
+                return
+            if p.name in kwargs:
+                tail.append(kwargs[p.name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                return
+        compiled._init_handles()
+        self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(tail))
 
 
 @functools.cache

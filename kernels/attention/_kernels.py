@@ -183,11 +183,11 @@ def _attn_fwd_kernel(
     scale_log2,  # softmax_scale * log2(e)
     LEFT,  # window: query i sees keys i + Sk - Sq - LEFT ... i + Sk - Sq + RIGHT (causal: RIGHT = 0)
     RIGHT,
-    HAS_LEFT: tl.constexpr,  # False: unbounded on that side
-    HAS_RIGHT: tl.constexpr,
     seed_lo, seed_hi,  # attention dropout: the 64-bit seed as two Philox key words
     threshold,  # keep iff the word is >= threshold
     inv_keep,  # 1 / (1 - dropout_p)
+    HAS_LEFT: tl.constexpr,  # False: unbounded on that side (constexprs follow every run-time argument)
+    HAS_RIGHT: tl.constexpr,
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -497,13 +497,13 @@ def _attn_bwd_kernel(
     Hq, Hkv, GROUP, Sq, Sk, D,
     scale,
     LEFT, RIGHT,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
     seed_lo, seed_hi, threshold, inv_keep,  # attention dropout, as in the forward
-    DROPOUT: tl.constexpr,
     kv_blocks,  # key blocks per head (of KV_BLOCK_N keys)
     kv_programs,  # kv_blocks * B * Hkv when DKDV, else 0
     q_blocks,  # query blocks per head (of Q_BLOCK_M queries)
+    HAS_LEFT: tl.constexpr,  # constexprs follow every run-time argument
+    HAS_RIGHT: tl.constexpr,
+    DROPOUT: tl.constexpr,
     DKDV: tl.constexpr,  # the first kv_programs programs compute dK/dV
     DQ: tl.constexpr,  # the programs after them compute dQ
     KV_BLOCK_M: tl.constexpr,  # dK/dV programs: queries per step, keys per program

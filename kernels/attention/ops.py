@@ -115,24 +115,23 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _band(left: int, right: int) -> dict:
-    """Kernel arguments of the visible band: query i sees keys ``i + Sk - Sq - left ... i + Sk - Sq + right``;
-    -1 leaves that side unbounded (and compiles the mask for it away)."""
-    return {"LEFT": max(left, 0), "RIGHT": max(right, 0), "HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0}
+def _band(left: int, right: int) -> tuple[tuple[int, int], dict]:
+    """Kernel arguments of the visible band, run-time ``(LEFT, RIGHT)`` and constexpr flags: query i sees keys
+    ``i + Sk - Sq - left ... i + Sk - Sq + right``; -1 leaves that side unbounded (and compiles its mask away)."""
+    return (max(left, 0), max(right, 0)), {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0}
 
 
 _MASK32 = 0xFFFFFFFF
-_NO_DROPOUT = {"seed_lo": 0, "seed_hi": 0, "threshold": 0, "inv_keep": 1.0, "DROPOUT": False}
+_NO_DROPOUT = (0, 0, 0, 1.0)
 
 
-def _dropout_args(dropout_p: float, seed: int) -> dict:
-    """Kernel arguments of attention dropout: the seed's two Philox key words, the keep threshold (the
-    dropout family's rule) and ``1 / (1 - p)``."""
+def _dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float]:
+    """Kernel arguments of attention dropout ``(seed_lo, seed_hi, threshold, inv_keep)``: the seed's two Philox
+    key words, the keep threshold (the dropout family's rule; 0 keeps everything) and ``1 / (1 - p)``."""
     if dropout_p == 0.0:
         return _NO_DROPOUT
     seed &= (1 << 64) - 1
-    return {"seed_lo": seed & _MASK32, "seed_hi": seed >> 32, "threshold": keep_threshold(dropout_p),
-            "inv_keep": 1.0 / (1.0 - dropout_p), "DROPOUT": True}
+    return seed & _MASK32, seed >> 32, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -159,14 +158,15 @@ def _seq_args(lse, varlen, traceable: bool) -> tuple:
     return varlen[0], varlen[1], 0, lse.stride(0)
 
 
-def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict, drop: dict = _NO_DROPOUT,
+def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict, drop: tuple = _NO_DROPOUT,
                 varlen=None, *, traceable=False):
     b, hq, hkv, sq, sk, d = _dims(q, k, varlen)
+    band, band_flags = _band(left, right)
     grid = (cdiv(sq, cfg["BLOCK_M"]), b * hq)
     kernel_for(_attn_fwd_kernel, traceable=traceable)[grid](
         q, k, v, o, lse, *_seq_args(lse, varlen, traceable), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        hq, hq // hkv, sq, sk, d, scale * 1.4426950408889634,
-        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **_band(left, right), **drop, **cfg,
+        hq, hq // hkv, sq, sk, d, scale * 1.4426950408889634, *band, *drop,
+        DROPOUT=drop[2] > 0, DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **band_flags, **cfg,
     )
 
 
@@ -182,7 +182,7 @@ def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False):
 
 
 def _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scale: float, dkdv_cfg: dict | None,
-                dq_cfg: dict | None, drop: dict = _NO_DROPOUT, varlen=None, *, traceable=False):
+                dq_cfg: dict | None, drop: tuple = _NO_DROPOUT, varlen=None, *, traceable=False):
     """One launch of ``_attn_bwd_kernel``: dK/dV programs (``dkdv_cfg``; writes ``dk``, ``dv``) then dQ programs
     (``dq_cfg``; writes ``dq``). A None config leaves that part out, and its outputs may be None. Both parts in
     one launch share ``num_warps`` and ``num_stages``: the dQ config's are ignored when both are given."""
@@ -192,6 +192,7 @@ def _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scal
     q_blocks = cdiv(sq, dq_cfg["BLOCK_M"]) if dq_cfg else 1
     q_programs = q_blocks * b * hq if dq_cfg else 0
     kv_cfg, q_cfg = dkdv_cfg or dq_cfg, dq_cfg or dkdv_cfg
+    band, band_flags = _band(left, right)
     dq_strides, dk_strides = _strides(q if dq is None else dq), _strides(k if dk is None else dk)  # dv: as dk
     if dq is None:
         dq = unused_pointer(q, traceable)
@@ -200,10 +201,10 @@ def _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scal
     kernel_for(_attn_bwd_kernel, traceable=traceable)[(kv_programs + q_programs,)](
         q, k, v, do, lse, delta, dq, dk, dv, *_seq_args(lse, varlen, traceable),
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *dq_strides, *dk_strides,
-        hq, hkv, hq // hkv, sq, sk, d, scale, **_band(left, right), **drop,
-        kv_blocks=kv_blocks, kv_programs=kv_programs, q_blocks=q_blocks,
-        DKDV=dkdv_cfg is not None, DQ=dq_cfg is not None, KV_BLOCK_M=kv_cfg["BLOCK_M"], KV_BLOCK_N=kv_cfg["BLOCK_N"],
-        Q_BLOCK_M=q_cfg["BLOCK_M"], Q_BLOCK_N=q_cfg["BLOCK_N"], BLOCK_D=kv_cfg["BLOCK_D"], EVEN_D=kv_cfg["EVEN_D"],
+        hq, hkv, hq // hkv, sq, sk, d, scale, *band, *drop, kv_blocks, kv_programs, q_blocks,
+        **band_flags, DROPOUT=drop[2] > 0, DKDV=dkdv_cfg is not None, DQ=dq_cfg is not None,
+        KV_BLOCK_M=kv_cfg["BLOCK_M"], KV_BLOCK_N=kv_cfg["BLOCK_N"], Q_BLOCK_M=q_cfg["BLOCK_M"],
+        Q_BLOCK_N=q_cfg["BLOCK_N"], BLOCK_D=kv_cfg["BLOCK_D"], EVEN_D=kv_cfg["EVEN_D"],
         DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, num_warps=kv_cfg["num_warps"],
         num_stages=kv_cfg["num_stages"],
     )
