@@ -8,16 +8,18 @@ Implements (read beside ``reference/attention.py``, which runs the same blocks i
   so cost grows with the window, not with S^2; only blocks that cross its edges, or the end of K, pay
   for a mask.
 - ``_attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)``.
-- ``_attn_bwd_dkdv_kernel``: one program per (key block, batch * key/value head); loops over the query
-  heads of its GQA group and the query blocks that see the key block; P is recomputed from the saved
-  log-sum-exp. No atomics: deterministic.
-- ``_attn_bwd_dq_kernel``: one program per (query block, batch * query head), looping over key blocks.
+- ``_attn_bwd_kernel``: two kinds of programs in one grid, dK/dV programs first (``DKDV``), then dQ
+  programs (``DQ``); the launcher runs both kinds in one launch when their tile configs share warps and
+  stages, else one launch per kind. A dK/dV program (``_attn_bwd_dkdv_program``) owns a key block of one
+  key/value head and loops over the query heads of its GQA group and the query blocks that see the key
+  block; P is recomputed from the saved log-sum-exp. A dQ program (``_attn_bwd_dq_program``) owns a query
+  block of one query head and loops over key blocks. No atomics: deterministic.
 
 Limits: head dims are padded to a power of two >= 16 inside the kernel (any D works; D > 256 runs with
 small blocks, correct but slow). Any strides. Dropout comes with a later change.
 
 Trade-offs:
-- Three backward kernels compute Q K^T twice (dK/dV and dQ) instead of accumulating dQ with atomics:
+- The backward computes Q K^T twice (dK/dV and dQ programs) instead of accumulating dQ with atomics:
   deterministic, at the cost of two more matmuls per tile pair (7 instead of 5).
 - Masks are compile-time variants of one loop (``MASKED``, ``HAS_LEFT``/``HAS_RIGHT``, ``EVEN_D``): the
   interior tiles load without a mask, which lets the loads vectorise and the pipeliner run ahead.
