@@ -65,16 +65,19 @@ def time_ms(fn: Callable[[], object], *, grad_to_none: Sequence[torch.Tensor] | 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
 
 
-def host_us(fn: Callable[[], object], *, calls: int = 300, warmup: int = 10) -> float:
+def host_us(fn: Callable[[], object], *, calls: int = 300, warmup: int = 10, until_done: bool = False) -> float:
     """Microseconds of host time per call: ``calls`` calls issued back to back, the clock stopped before
     waiting for the device. Equal to the per-call cost of the Python/dispatch path whenever the kernels
-    are shorter than it (the case these scripts look at); the device is drained before and after."""
+    are shorter than it (the case these scripts look at); the device is drained before and after.
+    ``until_done`` stops the clock after the drain instead: wall time per call, host- or device-bound."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    if until_done:
+        torch.cuda.synchronize()
     end = time.perf_counter()
     torch.cuda.synchronize()
     return (end - start) / calls * 1e6

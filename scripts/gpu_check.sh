@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: environment report, the CUDA test suite, the benchmarks.
 #
-#   bash scripts/gpu_check.sh [family]          # family: dropout | layernorm | attention (default: all)
+#   bash scripts/gpu_check.sh [family ...]      # family: dropout | layernorm | attention (default: all);
+#                                               # any name N selects tests/test_N*.py (integration, gpt, swap, common)
 #
 # Uses the machine's own python3 (no network, no nox). Writes under $OUT (default ./gpu-out):
 #   env.txt, tests.log (summaries), tests_all.log (every shard's output), bench.log, results.tgz (benchmarks/results/<gpu>/ of this run), summary.md
-# Knobs: SHARDS=16 (test processes; the attention suite took 540 s with 15 on the H200, near the 600 s limit of one device call), SKIP_TESTS=1, SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args).
+# Knobs: EXAMPLE=1 (then the GPT example's step times, eager and compiled, both backends: gpt-*.txt), SHARDS=16 (test processes; the attention suite took 540 s with 15 on the H200, near the 600 s limit of one device call), SKIP_TESTS=1, SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args).
 # Exit status: non-zero when the tests or the benchmarks failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
-FAMILY=${1:-}
+FAMILIES=("$@")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export FUSED_KERNELS_RESULTS_DIR="$OUT/results"
@@ -24,9 +25,12 @@ fi
 
 tests_target=$(ls tests/test_*.py | tr '\n' ' ')
 bench_target=benchmarks
-if [ -n "$FAMILY" ]; then
-  tests_target=$(ls tests/test_"$FAMILY"*.py 2>/dev/null | tr '\n' ' ')
-  bench_target=$(ls benchmarks/bench_"$FAMILY"*.py 2>/dev/null | tr '\n' ' ')
+if [ ${#FAMILIES[@]} -gt 0 ]; then
+  tests_target="" bench_target=""
+  for family in "${FAMILIES[@]}"; do
+    tests_target+=$(ls tests/test_"$family"*.py 2>/dev/null | tr '\n' ' ')
+    bench_target+=$(ls benchmarks/bench_"$family"*.py 2>/dev/null | tr '\n' ' ')
+  done
 fi
 
 {
@@ -78,5 +82,17 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ -n "$bench_target" ]; then
     rm -rf "$OUT/results"
     cat "$OUT/summary.md"
   fi
+fi
+if [ "${EXAMPLE:-0}" = 1 ]; then
+  # The example trains each backend in turn; nothing else runs beside it, so the step times are clean.
+  for mode in eager compiled; do
+    flag=$([ $mode = compiled ] && echo --compile)
+    # shellcheck disable=SC2086
+    python3 examples/gpt.py --steps "${EXAMPLE_STEPS:-200}" $flag > "$OUT/gpt-$mode.txt" 2> "$OUT/gpt-$mode.log"
+    rc=$?
+    tr '\r' '\n' < "$OUT/gpt-$mode.log" | grep -v '^ *$' > "$OUT/gpt-$mode.progress" && rm -f "$OUT/gpt-$mode.log"
+    echo "== GPT example ($mode): exit $rc"; cat "$OUT/gpt-$mode.txt"
+    [ "$rc" = 0 ] || status=1
+  done
 fi
 exit $status

@@ -519,11 +519,34 @@ def test_varlen_bad_inputs():
 def test_registered_ops_pass_opcheck():
     q, k, v = (t.to(DEVICE).requires_grad_(True) for t in _qkv(1, 4, 2, 70, 50, 64, dtype=torch.float32))
     fwd = torch.ops.fused_kernels.flash_attn_fwd.default
-    torch.library.opcheck(fwd, (q, k, v, -1, 0, 0.125, 0.0, 0, None, None, 0, 0))
-    torch.library.opcheck(fwd, (q, k, v, 16, 4, 0.125, 0.2, -5, None, None, 0, 0))  # window, dropout, signed seed
+    torch.library.opcheck(fwd, (q, k, v, -1, 0, 0.125, 0.0, 0, None, None, None, 0, 0))
+    # window, dropout, signed seed; then the seed on the device
+    torch.library.opcheck(fwd, (q, k, v, 16, 4, 0.125, 0.2, -5, None, None, None, 0, 0))
+    device_seed = torch.tensor(-5, dtype=torch.int64, device=DEVICE)
+    torch.library.opcheck(fwd, (q, k, v, 16, 4, 0.125, 0.2, 0, device_seed, None, None, 0, 0))
     qp, kp, vp, cu_q, cu_k = _packed((3, 40), (9, 30), 2, 1, 32, torch.float32)
     qp, kp, vp = (t.requires_grad_(True) for t in (qp, kp, vp))
-    torch.library.opcheck(fwd, (qp, kp, vp, -1, 0, 0.2, 0.0, 0, cu_q, cu_k, 40, 30))
+    torch.library.opcheck(fwd, (qp, kp, vp, -1, 0, 0.2, 0.0, 0, None, cu_q, cu_k, 40, 30))
+
+
+def test_a_seed_on_the_device_keys_the_same_mask_as_the_int():
+    """The ops' ``seed_tensor`` (how seed=None travels under torch.compile and CUDA graphs) is read by the
+    kernels as the int64 whose bits the int seed gives: forward and backward match the int path bitwise."""
+    q, k, v = (t.to(DEVICE).requires_grad_(True) for t in _qkv(1, 2, 1, 40, 40, 32, dtype=torch.float32))
+    for seed in (7, -5, 2**40 + 3):  # -5 is the signed form of 2**64 - 5
+        on_device = torch.tensor(seed, dtype=torch.int64, device=DEVICE)
+        by_int = torch.ops.fused_kernels.flash_attn_fwd(q, k, v, -1, 0, 0.2, 0.3, seed, None, None, None, 0, 0)
+        by_tensor = torch.ops.fused_kernels.flash_attn_fwd(q, k, v, -1, 0, 0.2, 0.3, 0, on_device, None, None, 0, 0)
+        assert torch.equal(by_int[0], by_tensor[0])
+        do = torch.randn_like(by_int[0])
+        for a, b in zip(torch.autograd.grad(by_int[0], (q, k, v), do), torch.autograd.grad(by_tensor[0], (q, k, v), do),
+                        strict=True):
+            assert torch.equal(a, b)
+    twin_o, _ = twin.flash_attention_forward(q, k, v, causal=True, softmax_scale=0.2, dropout_p=0.3,
+                                             seed=(-5) & (2**64 - 1))
+    on_device = torch.tensor(-5, dtype=torch.int64, device=DEVICE)
+    o, _ = torch.ops.fused_kernels.flash_attn_fwd(q, k, v, -1, 0, 0.2, 0.3, 0, on_device, None, None, 0, 0)
+    torch.testing.assert_close(o, twin_o, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cuda

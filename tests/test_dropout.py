@@ -277,6 +277,26 @@ def test_registered_as_torch_library_ops():
     assert torch.equal(torch.ops.fused_kernels.dropout(x, 0.5, 3), dropout(x, 0.5, seed=3))
     torch.library.opcheck(torch.ops.fused_kernels.dropout.default, (x, 0.5, 3),
                           test_utils=("test_schema", "test_faketensor"))
+    seed_tensor = torch.tensor(3, dtype=torch.int64, device=DEVICE)
+    torch.library.opcheck(torch.ops.fused_kernels.dropout.default, (x, 0.5, 0, seed_tensor),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_seed_on_the_device_keys_the_same_mask_as_the_int():
+    """``seed_tensor`` (how seed=None travels under torch.compile and CUDA graphs) holds the int64 whose bits
+    the int seed gives; the kernel must split it into the same Philox key, in both ops and the backward."""
+    x = torch.randn(3000, device=DEVICE, requires_grad=True)
+    for seed in (3, 2**63 + 12345, 2**33 + 1):
+        signed = seed - 2**64 if seed >= 2**63 else seed
+        on_device = torch.tensor(signed, dtype=torch.int64, device=DEVICE)
+        expected = dropout(x, 0.4, seed=seed)
+        got = torch.ops.fused_kernels.dropout(x, 0.4, 0, on_device)
+        assert torch.equal(got, expected)
+        assert torch.equal(torch.autograd.grad(got, x, torch.ones_like(got))[0],
+                           torch.autograd.grad(expected, x, torch.ones_like(got))[0])
+        inplace = x.detach().clone()
+        torch.ops.fused_kernels.dropout_(inplace, 0.4, 0, on_device)
+        assert torch.equal(inplace, expected)
 
 
 # --- GPU-only: size and memory ----------------------------------------------------------------------

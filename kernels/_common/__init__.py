@@ -1,6 +1,7 @@
 """Mechanics shared by every kernel family: interpreter detection and device dispatch, the
 single-config autotune helper, argument checks, seeds and the ``torch.library`` namespace."""
 
+from kernels._common.autocast import autocast_cast
 from kernels._common.autotune import autotune
 from kernels._common.launch import (
     cdiv,
@@ -11,7 +12,7 @@ from kernels._common.launch import (
     unused_pointer,
 )
 from kernels._common.runtime import INTERPRETER, backend_for, interpreter_requested, is_fake
-from kernels._common.seed import draw_seed, splitmix64
+from kernels._common.seed import Seed, device_seed, draw_seed, seed_for_call, splitmix64
 from kernels._common.validate import (
     FLOAT_DTYPES,
     check_float_dtype,
@@ -28,6 +29,8 @@ __all__ = [
     "FLOAT_DTYPES",
     "INTERPRETER",
     "LIBRARY_NAMESPACE",
+    "Seed",
+    "autocast_cast",
     "autotune",
     "backend_for",
     "cdiv",
@@ -36,6 +39,7 @@ __all__ = [
     "check_same_device",
     "check_seed",
     "check_tensor",
+    "device_seed",
     "draw_seed",
     "interpreter_requested",
     "is_fake",
@@ -43,6 +47,7 @@ __all__ = [
     "l2_cache_bytes",
     "multiprocessor_count",
     "nothing_to_launch",
+    "seed_for_call",
     "splitmix64",
     "unused_pointer",
 ]

@@ -6,12 +6,20 @@ A kernel like our dropout needs one 64-bit key per call. With ``seed=None`` it i
 - CUDA: from the device's Philox generator state, ``(initial_seed, offset)``, and the offset is advanced
   as a torch RNG op would advance it. No device-to-host copy, so no synchronisation.
 - CPU: one int64 from the CPU generator.
+
+Inside torch.compile or CUDA graph capture a Python int cannot be drawn per call: dynamo cannot trace the
+generator's offset (it would graph-break, or bake one seed into the graph), and a captured graph would
+replay the seed drawn at capture, repeating one mask. There ``seed_for_call`` returns a 0-d int64 *tensor*
+drawn by ``torch.randint`` on the device instead: a traced RNG op under compile and a graph-safe one under
+capture (every replay draws anew), governed by ``torch.manual_seed`` either way. The kernels read it from
+memory (``philox_key`` in ``kernels.dropout._kernels``).
 """
 
 from __future__ import annotations
 
 import torch
 
+_MASK32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
 
 
@@ -23,8 +31,91 @@ def splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+Seed = int | torch.Tensor
+_INT64_MAX = (1 << 63) - 1
+
+
+def device_seed(device: torch.device) -> torch.Tensor:
+    """A fresh seed as a 0-d int64 tensor on ``device``, drawn by torch's RNG (traceable, graph-safe)."""
+    return torch.randint(0, _INT64_MAX, (), dtype=torch.int64, device=device)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def seed_for_call(seed: int | None, device: torch.device) -> Seed:
+    """The seed a call runs with: ``seed`` itself when given; for ``None`` a fresh one, as an int drawn on
+    the host in eager mode (no launch, no sync) or as a device tensor (``device_seed``) under torch.compile
+    and CUDA graph capture."""
+    if seed is not None:
+        return seed
+    device = torch.device(device)
+    if torch.compiler.is_compiling() or _capturing(device):
+        return device_seed(device)
+    return draw_seed(device)
+
+
+def seed_value(seed: Seed) -> int:
+    """The seed as an unsigned 64-bit int (a device seed is read back: for the CPU twin only)."""
+    if isinstance(seed, torch.Tensor):
+        seed = int(seed.item())
+    return seed & _MASK64
+
+
+_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+
+
+def seed_pointer(seed: Seed, like: torch.Tensor, traceable: bool) -> tuple[torch.Tensor, int]:
+    """A kernel's ``(seed_ptr, seed_in_memory)`` arguments (``philox_key`` in ``kernels.dropout._kernels``): a
+    device seed itself and 1, or an int64 placeholder that is never read and 0.
+
+    The placeholder is a tensor even in eager launches, where None would cost nothing: None makes Triton
+    compile a second variant of the kernel, which a graph captured after an eager warm-up would then have to
+    compile during capture (not allowed). Eager launches share one cached placeholder per device."""
+    if isinstance(seed, torch.Tensor):
+        return seed, 1
+    if traceable:  # traced: a fresh tensor in the graph, never a cached one
+        return torch.empty(1, dtype=torch.int64, device=like.device), 0
+    device = like.device
+    placeholder = _PLACEHOLDERS.get(device)
+    if placeholder is None:
+        placeholder = _PLACEHOLDERS[device] = torch.empty(1, dtype=torch.int64, device=device)
+    return placeholder, 0
+
+
+def int32_word(word: int) -> int:
+    """A 32-bit word (key half, keep threshold) as the signed int32 with the same bits.
+
+    Kernels take such words as run-time ints and ``tl.cast`` them to uint32 (a same-width cast keeps the
+    bits). Passed as int32 they always get one type: a word >= 2**31 would otherwise make Triton compile an
+    int64 variant of the kernel, and makes inductor's launcher fail under torch.compile (it takes an int
+    above the int32 range for a symbolic size and cannot evaluate it)."""
+    word &= _MASK32
+    return word - (1 << 32) if word >= (1 << 31) else word
+
+
+def key_words(seed: int) -> tuple[int, int]:
+    """The Philox key ``(k0, k1)`` of a 64-bit seed (its low and high halves), each as ``int32_word``."""
+    return int32_word(seed), int32_word(seed >> 32)
+
+
+def op_seed_args(seed: Seed) -> tuple[int, torch.Tensor | None]:
+    """A registered op's ``(seed, seed_tensor)`` arguments: schemas carry int64, so a 64-bit unsigned seed
+    travels as its two's-complement value; a device seed travels as the tensor (the int is then unused)."""
+    if isinstance(seed, torch.Tensor):
+        return 0, seed
+    return (seed - (1 << 64) if seed >= (1 << 63) else seed), None
+
+
+def seed_from_op_args(seed: int, seed_tensor: torch.Tensor | None) -> Seed:
+    """Inverse of ``op_seed_args``."""
+    return seed_tensor if seed_tensor is not None else seed & _MASK64
+
+
 def draw_seed(device: torch.device) -> int:
-    """A fresh 64-bit seed from torch's default generator for ``device``."""
+    """A fresh 64-bit seed from torch's default generator for ``device`` (eager calls outside capture;
+    ``seed_for_call`` never calls it inside, the check below guards direct callers)."""
     device = torch.device(device)
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():

@@ -33,7 +33,7 @@ Trade-offs:
 import triton
 import triton.language as tl
 
-from kernels.dropout._kernels import philox4x32
+from kernels.dropout._kernels import philox4x32, philox_key
 from reference.attention import ATTENTION_COUNTER_TAG
 
 _COUNTER_TAG = tl.constexpr(ATTENTION_COUNTER_TAG)
@@ -164,7 +164,7 @@ def _attn_fwd_inner(
 # Sq and Sk are not specialised: Triton 3.6 miscompiles the variant where both equal 1 (causal, head dims 80
 # and 96, BLOCK_D = 128 with (128, 64, 8 warps, 3 stages)): 14-16% of launches wrote a wrong log-sum-exp on
 # the H200 (scripts/stress_attention_fwd_shapes.py; none at any other length, none without the specialisation).
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold", "Sq", "Sk"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold", "Sq", "Sk"])
 def _attn_fwd_kernel(
     q_ptr,  # (B, Hq, Sq, D)
     k_ptr,  # (B, Hkv, Sk, D)
@@ -186,6 +186,7 @@ def _attn_fwd_kernel(
     LEFT,  # window: query i sees keys i + Sk - Sq - LEFT ... i + Sk - Sq + RIGHT (causal: RIGHT = 0)
     RIGHT,
     seed_lo, seed_hi,  # attention dropout: the 64-bit seed as two Philox key words
+    seed_ptr, seed_in_memory,  # or the seed as one int64 on the device (dropout philox_key)
     threshold,  # keep iff the word is >= threshold
     inv_keep,  # 1 / (1 - dropout_p)
     HAS_LEFT: tl.constexpr,  # False: unbounded on that side (constexprs follow every run-time argument)
@@ -209,6 +210,8 @@ def _attn_fwd_kernel(
     k_start, Sk = _seq_bounds(cu_seqlens_k, b, Sk, VARLEN)
     if pid_m * BLOCK_M >= Sq:  # packed: the grid covers the longest sequence
         return
+    if DROPOUT:
+        seed_lo, seed_hi = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
     # Pin float scalars to fp32 (what an eager launch passes; inductor's launcher may pass them wider).
     scale_log2 = tl.cast(scale_log2, tl.float32)
     inv_keep = tl.cast(inv_keep, tl.float32)
@@ -483,7 +486,7 @@ def _attn_bwd_dq_program(
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_d < D)[None, :])
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
 def _attn_bwd_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # (B, H, S, D); packed: (total, H, D)
     lse_ptr, delta_ptr,  # (B, Hq, Sq) fp32; packed: (Hq, total_q)
@@ -499,7 +502,7 @@ def _attn_bwd_kernel(
     Hq, Hkv, GROUP, Sq, Sk, D,
     scale,
     LEFT, RIGHT,
-    seed_lo, seed_hi, threshold, inv_keep,  # attention dropout, as in the forward
+    seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, inv_keep,  # attention dropout, as in the forward
     kv_blocks,  # key blocks per head (of KV_BLOCK_N keys)
     kv_programs,  # kv_blocks * B * Hkv when DKDV, else 0
     q_blocks,  # query blocks per head (of Q_BLOCK_M queries)
@@ -518,6 +521,8 @@ def _attn_bwd_kernel(
     VARLEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if DROPOUT:
+        seed_lo, seed_hi = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
     if DKDV:  # noqa: SIM102  (a compile-time branch around a run-time one)
         if pid < kv_programs:
             _attn_bwd_dkdv_program(

@@ -17,6 +17,7 @@ from torch.library import triton_op
 
 import reference.attention as twin
 from kernels._common import (
+    autocast_cast,
     backend_for,
     cdiv,
     check_float_dtype,
@@ -24,10 +25,19 @@ from kernels._common import (
     check_same_device,
     check_seed,
     check_tensor,
-    draw_seed,
     kernel_for,
     nothing_to_launch,
     unused_pointer,
+)
+from kernels._common.seed import (
+    Seed,
+    int32_word,
+    key_words,
+    op_seed_args,
+    seed_for_call,
+    seed_from_op_args,
+    seed_pointer,
+    seed_value,
 )
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
@@ -121,17 +131,26 @@ def _band(left: int, right: int) -> tuple[tuple[int, int], dict]:
     return (max(left, 0), max(right, 0)), {"HAS_LEFT": left >= 0, "HAS_RIGHT": right >= 0}
 
 
-_MASK32 = 0xFFFFFFFF
-_NO_DROPOUT = (0, 0, 0, 1.0)
+_NO_DROPOUT = (0, 0, None, 0, 1.0)
 
 
-def _dropout_args(dropout_p: float, seed: int) -> tuple[int, int, int, float]:
-    """Kernel arguments of attention dropout ``(seed_lo, seed_hi, threshold, inv_keep)``: the seed's two Philox
-    key words, the keep threshold (the dropout family's rule; 0 keeps everything) and ``1 / (1 - p)``."""
+def _dropout_args(dropout_p: float, seed: Seed) -> tuple:
+    """Attention dropout as ``(seed_lo, seed_hi, seed_tensor, threshold, inv_keep)``: the seed's two Philox key
+    words (or a device seed the kernel reads, ``seed_tensor``), the keep threshold (the dropout family's
+    rule; 0 keeps everything) and ``1 / (1 - p)``."""
     if dropout_p == 0.0:
         return _NO_DROPOUT
-    seed &= (1 << 64) - 1
-    return seed & _MASK32, seed >> 32, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+    threshold = int32_word(keep_threshold(dropout_p))
+    if isinstance(seed, torch.Tensor):
+        return 0, 0, seed, threshold, 1.0 / (1.0 - dropout_p)
+    return *key_words(seed), None, threshold, 1.0 / (1.0 - dropout_p)
+
+
+def _drop_launch_args(drop: tuple, like: torch.Tensor, traceable: bool) -> tuple[tuple, dict]:
+    """The kernels' dropout arguments for ``_dropout_args``'s tuple: run-time ones and constexpr flags."""
+    seed_lo, seed_hi, seed_tensor, threshold, inv_keep = drop
+    seed_ptr, seed_in_memory = seed_pointer(seed_tensor if seed_tensor is not None else 0, like, traceable)
+    return (seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, inv_keep), {"DROPOUT": threshold != 0}
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -163,10 +182,11 @@ def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict,
     b, hq, hkv, sq, sk, d = _dims(q, k, varlen)
     band, band_flags = _band(left, right)
     grid = (cdiv(sq, cfg["BLOCK_M"]), b * hq)
+    drop_args, drop_flags = _drop_launch_args(drop, q, traceable)
     kernel_for(_attn_fwd_kernel, traceable=traceable)[grid](
         q, k, v, o, lse, *_seq_args(lse, varlen, traceable), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        hq, hq // hkv, sq, sk, d, scale * 1.4426950408889634, *band, *drop,
-        DROPOUT=drop[2] > 0, DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **band_flags, **cfg,
+        hq, hq // hkv, sq, sk, d, scale * 1.4426950408889634, *band, *drop_args, **drop_flags,
+        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **band_flags, **cfg,
     )
 
 
@@ -198,11 +218,12 @@ def _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scal
         dq = unused_pointer(q, traceable)
     if dk is None:
         dk, dv = unused_pointer(q, traceable), unused_pointer(q, traceable)
+    drop_args, drop_flags = _drop_launch_args(drop, q, traceable)
     kernel_for(_attn_bwd_kernel, traceable=traceable)[(kv_programs + q_programs,)](
         q, k, v, do, lse, delta, dq, dk, dv, *_seq_args(lse, varlen, traceable),
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *dq_strides, *dk_strides,
-        hq, hkv, hq // hkv, sq, sk, d, scale, *band, *drop, kv_blocks, kv_programs, q_blocks,
-        **band_flags, DROPOUT=drop[2] > 0, DKDV=dkdv_cfg is not None, DQ=dq_cfg is not None,
+        hq, hkv, hq // hkv, sq, sk, d, scale, *band, *drop_args, kv_blocks, kv_programs, q_blocks,
+        **band_flags, **drop_flags, DKDV=dkdv_cfg is not None, DQ=dq_cfg is not None,
         KV_BLOCK_M=kv_cfg["BLOCK_M"], KV_BLOCK_N=kv_cfg["BLOCK_N"], Q_BLOCK_M=q_cfg["BLOCK_M"],
         Q_BLOCK_N=q_cfg["BLOCK_N"], BLOCK_D=kv_cfg["BLOCK_D"], EVEN_D=kv_cfg["EVEN_D"],
         DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, num_warps=kv_cfg["num_warps"],
@@ -216,20 +237,20 @@ def _fusable(dkdv_cfg: dict, dq_cfg: dict) -> bool:
 
 
 def _twin_forward(q, k, v, left, right, scale, dropout_p, seed, varlen):
-    kw = {"window_size": (left, right), "softmax_scale": scale, "dropout_p": dropout_p, "seed": seed}
+    kw = {"window_size": (left, right), "softmax_scale": scale, "dropout_p": dropout_p, "seed": seed_value(seed)}
     if varlen is None:
         return twin.flash_attention_forward(q, k, v, **kw)
     return twin.flash_attention_varlen_forward(q, k, v, varlen[0], varlen[1], **kw)
 
 
 def _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen):
-    kw = {"window_size": (left, right), "softmax_scale": scale, "dropout_p": dropout_p, "seed": seed}
+    kw = {"window_size": (left, right), "softmax_scale": scale, "dropout_p": dropout_p, "seed": seed_value(seed)}
     if varlen is None:
         return twin.flash_attention_backward(do, q, k, v, o, lse, **kw)
     return twin.flash_attention_varlen_backward(do, q, k, v, o, lse, varlen[0], varlen[1], **kw)
 
 
-def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: int = 0, varlen=None, *,
+def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0, varlen=None, *,
               traceable=False):
     """``(o, lse)``: o laid out as q (contiguous); lse (B, Hq, Sq), or (Hq, total_q) when packed."""
     if backend_for(q) == "reference":
@@ -248,7 +269,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
     return o, lse
 
 
-def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: int = 0,
+def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0,
               varlen=None, *, traceable=False):
     """``(dq, dk, dv)``, laid out as q, k, v (contiguous)."""
     b, _, _, _, _, d = _dims(q, k, varlen)
@@ -303,37 +324,43 @@ class _FlashAttentionFunction(torch.autograd.Function):
 
 @triton_op("fused_kernels::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
-                      scale: float, dropout_p: float, seed: int, cu_seqlens_q: torch.Tensor | None,
-                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+                      scale: float, dropout_p: float, seed: int, seed_tensor: torch.Tensor | None,
+                      cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
                       max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Registered forward: ``(o, lse)``; the band as in ``_band`` (causal is ``window_right = 0``); ``seed``
-    is the 64-bit dropout seed as a signed int64; packed batches pass their cumulative lengths."""
+    is the 64-bit dropout seed as a signed int64, or ``seed_tensor`` (a 0-d int64 device tensor the kernel
+    reads) when given; packed batches pass their cumulative lengths."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return _fwd_impl(q, k, v, window_left, window_right, scale, dropout_p, seed, varlen, traceable=True)
+    return _fwd_impl(q, k, v, window_left, window_right, scale, dropout_p, seed_from_op_args(seed, seed_tensor),
+                     varlen, traceable=True)
 
 
 @triton_op("fused_kernels::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, window_left: int, window_right: int, scale: float, dropout_p: float,
-                      seed: int, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-                      max_seqlen_q: int, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      seed: int, seed_tensor: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+                      max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Registered backward: ``(dq, dk, dv)``."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return _bwd_impl(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, varlen, traceable=True)
+    return _bwd_impl(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p,
+                     seed_from_op_args(seed, seed_tensor), varlen, traceable=True)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *args = inputs
+    q, k, v, left, right, scale, dropout_p, seed, seed_tensor, *varlen_args = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.args = tuple(args)
+    ctx.save_for_backward(q, k, v, o, lse, seed_tensor)
+    ctx.args = (left, right, scale, dropout_p, seed)
+    ctx.varlen_args = tuple(varlen_args)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fused_kernels.flash_attn_bwd(do.contiguous(), q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, *([None] * 9)
+    q, k, v, o, lse, seed_tensor = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fused_kernels.flash_attn_bwd(do.contiguous(), q, k, v, o, lse, *ctx.args, seed_tensor,
+                                                        *ctx.varlen_args)
+    return dq, dk, dv, *([None] * 10)
 
 
 flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -342,7 +369,8 @@ flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max_sq=0, max_sk=0):
     args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk)
     if torch.compiler.is_compiling():
-        return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, *args)
+        return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, left, right, scale, dropout_p, *op_seed_args(seed),
+                                                      cu_q, cu_k, max_sq, max_sk)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttentionFunction.apply(q, k, v, *args)
     # Nothing to differentiate: skip autograd.Function.apply, whose host cost is a sizeable part of a
@@ -350,13 +378,12 @@ def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max
     return _fwd_impl(q, k, v, left, right, scale, dropout_p, seed, _varlen(cu_q, cu_k, max_sq, max_sk))
 
 
-def _resolve_dropout(dropout_p, seed, device) -> tuple[float, int]:
-    """Checked ``dropout_p`` and the seed as the ops carry it (signed int64; drawn when None)."""
+def _resolve_dropout(dropout_p, seed, device) -> tuple[float, Seed]:
+    """Checked ``dropout_p`` and the seed of this call (``seed_for_call``: drawn when None)."""
     dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
     if dropout_p == 0.0:
         return 0.0, 0
-    seed = draw_seed(device) if seed is None else check_seed("seed", seed)
-    return dropout_p, seed - (1 << 64) if seed >= (1 << 63) else seed
+    return dropout_p, seed_for_call(check_seed("seed", seed), device)
 
 
 def _validate(q, k, v, *, packed: bool = False) -> None:
@@ -414,10 +441,15 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     The keep mask is a pure function of ``seed`` and (batch, query head, query, key): the dropout family's
     Philox4x32-10 on the counter stated in ``reference.attention`` (no mask is stored; the backward draws
     it again). ``seed=None`` draws one from torch's generator for the device, so ``torch.manual_seed``
-    governs it and two calls differ.
+    governs it and two calls differ (under torch.compile and in CUDA graphs it is drawn on the device: each
+    compiled call and each replay gets a new mask).
+
+    Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA's are.
 
     The backward is deterministic in every mode (``deterministic`` is accepted for API compatibility).
     """
+    if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        q, k, v = autocast_cast("attention", q, k, v)
     _validate(q, k, v)
     left, right = _window(window_size, bool(causal))
     dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
@@ -453,6 +485,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sequence is attended alone, with the masks and dropout of :func:`flash_attention` (sequence ``b``
     draws the dropout mask of batch row ``b``). ``return_lse`` adds the log-sum-exp as ``(Hq, total_q)``.
     """
+    if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        q, k, v = autocast_cast("attention", q, k, v)
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     left, right = _window(window_size, bool(causal))
     dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)

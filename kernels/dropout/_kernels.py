@@ -1,7 +1,7 @@
 """Seeded dropout in Triton: Philox4x32-10 regenerated in-kernel, no mask ever stored.
 
-Implements: ``philox4x32`` (the RNG, an in-kernel helper shared with the attention family) and
-``_dropout_fwd_kernel``, which computes ``y = x * (word >= threshold ? 1/(1-p) : 0)``. Dropout is linear
+Implements: ``philox4x32`` (the RNG) and ``philox_key`` (the key from run-time ints or from a seed on
+the device), in-kernel helpers shared with the attention family, and ``_dropout_fwd_kernel``, which computes ``y = x * (word >= threshold ? 1/(1-p) : 0)``. Dropout is linear
 in its input with a fixed mask, so the backward is the same kernel applied to ``dy`` with the same
 seed: the mask is drawn again, not read.
 
@@ -47,26 +47,42 @@ def philox4x32(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr = 10):
 
 
 @triton.jit
+def philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory):
+    """The Philox key words ``(k0, k1)`` as uint32: the run-time arguments ``seed_lo``/``seed_hi``, or, when
+    ``seed_in_memory`` is non-zero, the low and high halves of the int64 at ``seed_ptr`` (the int words are
+    then 0). The second form keys the kernel with a seed drawn on the device (under torch.compile or CUDA
+    graph capture) without a host sync.
+
+    ``seed_in_memory`` is a run-time flag, not a constexpr, so both forms run one compiled kernel: a graph
+    captured after an eager warm-up finds its kernel compiled (compiling during capture is not allowed)."""
+    from_memory = tl.load(seed_ptr, mask=seed_in_memory != 0, other=0).to(tl.int64)
+    # tl.cast, not .to: torch.compile's mutation analysis passes runtime scalars in as Python ints.
+    k0 = tl.cast(seed_lo, tl.uint32) ^ (from_memory & 0xFFFFFFFF).to(tl.uint32)
+    k1 = tl.cast(seed_hi, tl.uint32) ^ ((from_memory >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return k0, k1
+
+
+@triton.jit
 def _scaled_where_kept(x, word, threshold, scale):
     """``x * scale`` where the word clears the threshold, ``x * 0`` elsewhere (NaN stays NaN, as torch)."""
     factor = tl.where(word >= threshold, scale, 0.0)
     return x.to(tl.float32) * factor
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "threshold"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
 def _dropout_fwd_kernel(
     x_ptr,  # (n,) contiguous input (dy in the backward)
     y_ptr,  # (n,) contiguous output, may alias x_ptr (in-place)
     n,  # element count
     seed_lo,  # low 32 bits of the seed (Philox key word 0)
     seed_hi,  # high 32 bits of the seed (Philox key word 1)
+    seed_ptr,  # int64 seed on the device, read when seed_in_memory != 0 (see philox_key)
+    seed_in_memory,
     threshold,  # keep iff word >= threshold, in [1, 2**32 - 1]
     scale,  # 1 / (1 - p), fp32
     CHUNKS: tl.constexpr,  # chunks of 4 * LANE_STRIDE elements per program
 ):
-    # tl.cast, not .to: torch.compile's mutation analysis passes runtime scalars in as Python ints.
-    k0 = tl.cast(seed_lo, tl.uint32)
-    k1 = tl.cast(seed_hi, tl.uint32)
+    k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
     thr = tl.cast(threshold, tl.uint32)
     # Pin the scale to fp32 (what an eager launch passes): inductor's launcher may hand floats over wider,
     # and x * scale must round the same way in both.

@@ -4,10 +4,11 @@ Eager calls run ``_DropoutFunction`` (a plain ``torch.autograd.Function``); unde
 public function calls the registered ops, which share the same implementation. Ops
 (``torch.ops.fused_kernels``):
 
-- ``dropout(x, p, seed) -> Tensor``: out-of-place, differentiable; its backward is the same op on the
-  incoming gradient with the same ``(p, seed)`` (the mask is regenerated, nothing is saved but the
-  seed).
-- ``dropout_(x, p, seed) -> ()``: in place, for tensors that need no gradient.
+- ``dropout(x, p, seed, seed_tensor=None) -> Tensor``: out-of-place, differentiable; its backward is the
+  same op on the incoming gradient with the same ``(p, seed)`` (the mask is regenerated, nothing is saved
+  but the seed). ``seed_tensor``, a 0-d int64 tensor on the device, replaces ``seed`` when given: the
+  seed of a ``seed=None`` call under torch.compile (see ``kernels._common.seed``).
+- ``dropout_(x, p, seed, seed_tensor=None) -> ()``: in place, for tensors that need no gradient.
 
 Both are ``torch.library.triton_op``s, so torch.compile sees the Triton kernel. On CPU tensors without
 the Triton interpreter they run the twin ``reference.dropout`` (bit-identical).
@@ -30,9 +31,18 @@ from kernels._common import (
     check_probability,
     check_seed,
     check_tensor,
-    draw_seed,
     kernel_for,
     nothing_to_launch,
+)
+from kernels._common.seed import (
+    Seed,
+    int32_word,
+    key_words,
+    op_seed_args,
+    seed_for_call,
+    seed_from_op_args,
+    seed_pointer,
+    seed_value,
 )
 from kernels.dropout._kernels import LANE_STRIDE_ELEMENTS, _dropout_fwd_kernel
 
@@ -52,9 +62,13 @@ def _launch_config(n: int, dtype: torch.dtype) -> tuple[int, int]:
     return 1, 4
 
 
-def _kernel_scalars(p: float, seed: int) -> tuple[int, int, int, float]:
-    """The kernel's scalar arguments for ``(p, seed)``: key words, keep threshold, scale."""
-    return seed & _MASK32, (seed >> 32) & _MASK32, keep_threshold(p), 1.0 / (1.0 - p)
+def _kernel_scalars(p: float, seed: Seed) -> tuple:
+    """The kernel's scalar arguments for ``(p, seed)``: key words, device seed (or None), keep threshold,
+    scale. A device seed (a 0-d int64 tensor) is read by the kernel; an int is split into the key words."""
+    threshold = int32_word(keep_threshold(p))
+    if isinstance(seed, torch.Tensor):
+        return 0, 0, seed, threshold, 1.0 / (1.0 - p)
+    return *key_words(seed), None, threshold, 1.0 / (1.0 - p)  # the int's placeholder comes at launch
 
 
 def _launch(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: bool) -> None:
@@ -68,22 +82,21 @@ def _launch(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: 
     n = src.numel()
     chunks, num_warps = _launch_config(n, src.dtype)
     grid = (cdiv(n, _CHUNK * chunks),)
+    seed_lo, seed_hi, seed_tensor, threshold, scale = scalars
+    seed_ptr, seed_in_memory = seed_pointer(seed_tensor if seed_tensor is not None else 0, src, traceable)
     kernel_for(_dropout_fwd_kernel, traceable=traceable)[grid](
-        src, out, n, *scalars, CHUNKS=chunks, num_warps=num_warps
+        src, out, n, seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, scale, CHUNKS=chunks,
+        num_warps=num_warps,
     )
 
 
-def _to_op_seed(seed: int) -> int:
-    """Op schemas carry int64: a 64-bit unsigned seed travels as its two's-complement value."""
-    return seed - (1 << 64) if seed >= (1 << 63) else seed
-
-
-def _dropout_impl(x: torch.Tensor, p: float, seed: int, *, traceable: bool = False,
+def _dropout_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = False,
                   scalars: tuple | None = None) -> torch.Tensor:
-    """Seeded dropout for ``0 < p < 1`` and a 64-bit unsigned ``seed``: the one implementation behind the
-    eager path and the registered op (``scalars``: ``_kernel_scalars(p, seed)`` when already known)."""
+    """Seeded dropout for ``0 < p < 1`` and a 64-bit unsigned ``seed`` (or a device seed): the one
+    implementation behind the eager path and the registered op (``scalars``: ``_kernel_scalars(p, seed)``
+    when already known)."""
     if backend_for(x) == "reference":
-        return twin.dropout(x, p, seed=seed)
+        return twin.dropout(x, p, seed=seed_value(seed))
     src = x.contiguous()
     out = torch.empty_like(src)
     _launch(src, out, scalars or _kernel_scalars(p, seed), traceable=traceable)
@@ -99,7 +112,7 @@ class _DropoutFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, p: float, seed: Seed) -> torch.Tensor:
         ctx.p, ctx.seed, ctx.scalars = p, seed, _kernel_scalars(p, seed)
         return _dropout_impl(x, p, seed, scalars=ctx.scalars)
 
@@ -109,23 +122,26 @@ class _DropoutFunction(torch.autograd.Function):
 
 
 @triton_op("fused_kernels::dropout", mutates_args=())
-def dropout_op(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """Registered op: seeded dropout for ``0 < p < 1``; ``seed`` is the 64-bit seed as a signed int64."""
-    return _dropout_impl(x, p, seed & _MASK64, traceable=True)
+def dropout_op(x: torch.Tensor, p: float, seed: int, seed_tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """Registered op: seeded dropout for ``0 < p < 1``; ``seed`` is the 64-bit seed as a signed int64, or
+    ``seed_tensor`` (a 0-d int64 device tensor, read by the kernel) when given."""
+    return _dropout_impl(x, p, seed_from_op_args(seed, seed_tensor), traceable=True)
 
 
 def _setup_context(ctx, inputs, output):
-    _, ctx.p, ctx.seed = inputs
+    _, ctx.p, ctx.seed, seed_tensor = inputs
+    ctx.save_for_backward(seed_tensor)
 
 
 def _backward(ctx, grad_out):
-    return torch.ops.fused_kernels.dropout(grad_out, ctx.p, ctx.seed), None, None
+    (seed_tensor,) = ctx.saved_tensors
+    return torch.ops.fused_kernels.dropout(grad_out, ctx.p, ctx.seed, seed_tensor), None, None, None
 
 
 dropout_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _dropout_inplace_impl(x: torch.Tensor, p: float, seed: int, *, traceable: bool = False) -> None:
+def _dropout_inplace_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = False) -> None:
     if backend_for(x) == "reference" or not x.is_contiguous():
         x.copy_(_dropout_impl(x, p, seed, traceable=traceable))
     else:
@@ -133,9 +149,9 @@ def _dropout_inplace_impl(x: torch.Tensor, p: float, seed: int, *, traceable: bo
 
 
 @triton_op("fused_kernels::dropout_", mutates_args={"x"})
-def dropout_inplace_op(x: torch.Tensor, p: float, seed: int) -> None:
+def dropout_inplace_op(x: torch.Tensor, p: float, seed: int, seed_tensor: torch.Tensor | None = None) -> None:
     """Registered op: in-place seeded dropout for ``0 < p < 1`` on a tensor that needs no gradient."""
-    _dropout_inplace_impl(x, p, seed & _MASK64, traceable=True)
+    _dropout_inplace_impl(x, p, seed_from_op_args(seed, seed_tensor), traceable=True)
 
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int | None = None,
@@ -147,8 +163,10 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int
         p: probability of zeroing an element, in ``[0, 1]``. Kept elements are scaled by ``1 / (1 - p)``.
         training: when False, ``x`` is returned unchanged (as ``torch.nn.functional.dropout``).
         seed: 64-bit seed. ``None`` draws one from torch's generator for ``x.device``, so
-            ``torch.manual_seed`` governs it and two calls differ. The same ``(seed, p, shape)`` gives the
-            same mask; element ``i`` (row-major in the logical shape) is decided by Philox word ``i``.
+            ``torch.manual_seed`` governs it and two calls differ; under torch.compile and inside a CUDA
+            graph it is drawn on the device, so every compiled call and every graph replay gets a new mask.
+            The same ``(seed, p, shape)`` gives the same mask; element ``i`` (row-major in the logical
+            shape) is decided by Philox word ``i``.
         inplace: write the result into ``x`` (returns ``x``).
 
     Returns ``x`` itself when ``p == 0`` or ``training`` is False; zeros when ``p == 1``. The backward
@@ -165,15 +183,14 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int
     if p == 1.0:
         return x.zero_() if inplace else torch.where(torch.zeros((), dtype=torch.bool, device=x.device), x, 0.0)
     backend_for(x)  # a clear error for unsupported devices before any seed is drawn
-    if seed is None:
-        seed = draw_seed(x.device)
+    seed = seed_for_call(seed, x.device)
     needs_grad = x.requires_grad and torch.is_grad_enabled()
     if torch.compiler.is_compiling():
-        op_seed = _to_op_seed(seed)
+        op_seed = op_seed_args(seed)
         if inplace and not needs_grad:
-            torch.ops.fused_kernels.dropout_(x, p, op_seed)
+            torch.ops.fused_kernels.dropout_(x, p, *op_seed)
             return x
-        out = torch.ops.fused_kernels.dropout(x, p, op_seed)
+        out = torch.ops.fused_kernels.dropout(x, p, *op_seed)
     elif inplace and not needs_grad:
         _dropout_inplace_impl(x, p, seed)
         return x

@@ -32,6 +32,7 @@ from torch.library import triton_op
 
 import reference.layernorm as twin
 from kernels._common import (
+    autocast_cast,
     backend_for,
     cdiv,
     check_float_dtype,
@@ -359,9 +360,12 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = 
     """Fused LayerNorm over the trailing ``normalized_shape`` dims, like ``torch.nn.functional.layer_norm``.
 
     Statistics in fp32; output in ``x``'s dtype (fp16, bf16, fp32); ``weight``/``bias`` optional and may
-    be fp32 with a low-precision ``x``; any leading shape and any width. ``deterministic=True`` makes dW
+    be fp32 with a low-precision ``x``; any leading shape and any width. Under ``torch.autocast`` on CUDA it
+    runs in fp32, as torch's does. ``deterministic=True`` makes dW
     and dB bitwise reproducible (one partial buffer per program instead of lock-shared buffers).
     """
+    if isinstance(x, torch.Tensor):
+        x, weight, bias = autocast_cast("layer_norm", x, weight, bias)
     shape, n = _check(x, normalized_shape, weight, bias)
     return _norm(x, shape, n, weight, bias, eps, False, deterministic)
 
@@ -370,6 +374,8 @@ def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = No
              deterministic: bool = False) -> torch.Tensor:
     """Fused RMSNorm over the trailing ``normalized_shape`` dims, like ``torch.nn.functional.rms_norm``
     (``eps=None`` means ``torch.finfo(x.dtype).eps``, as torch)."""
+    if isinstance(x, torch.Tensor):
+        x, weight = autocast_cast("rms_norm", x, weight)
     shape, n = _check(x, normalized_shape, weight, None)
     if eps is None:
         eps = torch.finfo(x.dtype).eps

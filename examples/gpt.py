@@ -1,0 +1,264 @@
+"""A small GPT-style decoder, trained on this repository's own text, with fused-kernels or torch's ops.
+
+The model is plain torch (token and position embeddings, pre-norm blocks of causal self-attention and an
+MLP, a tied output head). ``backend`` picks the ops:
+
+- ``"torch"``: ``nn.LayerNorm``, ``nn.Dropout`` and ``F.scaled_dot_product_attention``;
+- ``"fused"``: the same model after ``kernels.replace_modules`` (our LayerNorm and Dropout, weights kept),
+  with attention through ``kernels.attention.flash_attention`` (attention dropout included).
+
+Both backends build the same parameters in the same order, so one ``torch.manual_seed`` gives one init.
+
+    python examples/gpt.py                       # both backends, 200 steps each, then their step times
+    python examples/gpt.py --backend fused --steps 500 --compile
+    python examples/gpt.py --help
+
+Without a GPU it runs on the CPU (our kernels through the Triton interpreter when ``TRITON_INTERPRET=1``;
+small ``--layers/--d-model/--seq`` then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere: the repository's packages import
+    sys.path.insert(0, str(ROOT))
+
+import kernels  # noqa: E402
+from kernels.attention import flash_attention  # noqa: E402
+
+BACKENDS = ("torch", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256  # bytes
+    seq_len: int = 256
+    n_layer: int = 4
+    n_head: int = 8
+    d_model: int = 512
+    dropout: float = 0.1
+    backend: str = "fused"
+
+
+def fused_attention(q, k, v, p: float) -> torch.Tensor:
+    """Causal self-attention on (B, H, S, D) with attention dropout ``p``: ours."""
+    return flash_attention(q, k, v, causal=True, dropout_p=p)
+
+
+def torch_attention(q, k, v, p: float) -> torch.Tensor:
+    """The same through torch's SDPA."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.attention_dropout = config.dropout
+        self.residual_dropout = nn.Dropout(config.dropout)
+        self.attend = fused_attention if config.backend == "fused" else torch_attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        # (B, S, 3, H, Dh) -> three (B, H, S, Dh) views: both backends take the strided views as they are
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
+        y = self.attend(q, k, v, self.attention_dropout if self.training else 0.0)
+        return self.residual_dropout(self.proj(y.transpose(1, 2).reshape(batch, seq, width)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.d_model)
+        self.attention = CausalSelfAttention(config)
+        self.norm2 = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(4 * config.d_model, config.d_model),
+            nn.Dropout(config.dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if config.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_norm = nn.LayerNorm(config.d_model)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.backend == "fused":
+            kernels.replace_modules(self)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits (B, S, vocab); with ``targets``, ``(logits, mean cross-entropy)``."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embedding_dropout(self.token_embedding(tokens) + self.position_embedding(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.final_norm(x) @ self.token_embedding.weight.t()  # tied head
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def load_corpus(device) -> torch.Tensor:
+    """This repository's Markdown and Python files as one byte tensor (sorted, so every run reads the same)."""
+    paths = sorted(p for pattern in ("*.md", "*.py") for p in ROOT.glob(f"**/{pattern}")
+                   if not any(part.startswith(".") or part == "results" for part in p.relative_to(ROOT).parts))
+    data = b"\n".join(p.read_bytes() for p in paths)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device=device, dtype=torch.long)
+
+
+def batches(corpus: torch.Tensor, batch: int, seq_len: int, steps: int, seed: int = 0):
+    """``steps`` (tokens, targets) pairs of random windows of the corpus, the same for a given ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch,), generator=g).to(corpus.device)
+        window = starts[:, None] + torch.arange(seq_len + 1, device=corpus.device)
+        chunk = corpus[window]
+        yield chunk[:, :-1], chunk[:, 1:]
+
+
+@dataclasses.dataclass
+class TrainResult:
+    losses: list[float]
+    step_seconds: list[float]
+
+    def median_step_ms(self, warmup: int) -> float:
+        """Median step time, leaving out the first ``warmup`` steps (compilation, autotuning, caches)."""
+        timed = self.step_seconds[warmup:] or self.step_seconds
+        return 1e3 * statistics.median(timed)
+
+
+def _progress(label: str, step: int, steps: int, loss: float, seconds: float, width: int = 30) -> None:
+    done = width * step // steps
+    bar = "#" * done + "." * (width - done)
+    end = "\n" if step == steps else ""
+    print(f"\r{label:>6} [{bar}] {step:>5}/{steps} loss {loss:7.4f} {1e3 * seconds:8.2f} ms/step", end=end,
+          file=sys.stderr, flush=True)
+
+
+def train(config: GPTConfig, *, steps: int, batch: int, device, init_seed: int = 0, data_seed: int = 0,
+          lr: float = 1e-3, autocast_dtype: torch.dtype | None = torch.bfloat16, compile_model: bool = False,
+          progress: bool = False) -> TrainResult:
+    """Train a fresh model for ``steps`` AdamW steps; return each step's loss and wall time.
+
+    ``init_seed`` fixes the initial weights and the dropout masks' generator, ``data_seed`` the batches, so
+    two backends given the same seeds start from the same weights and see the same data. A step's time
+    covers forward, backward and the optimiser step, synchronised on a GPU.
+    """
+    device = torch.device(device)
+    torch.manual_seed(init_seed)
+    model = GPT(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    step_fn = torch.compile(model, fullgraph=True) if compile_model else model
+    corpus = load_corpus(device)
+    losses, times = [], []
+    use_autocast = autocast_dtype is not None
+    for step, (tokens, targets) in enumerate(batches(corpus, batch, config.seq_len, steps, data_seed), 1):
+        _synchronize(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=use_autocast):
+            _, loss = step_fn(tokens, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        if progress:
+            _progress(config.backend, step, steps, losses[-1], times[-1])
+    return TrainResult(losses, times)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model-size and batch flags (shared with ``scripts/profile_gpt.py``)."""
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--dropout", type=float, default=0.1)
+
+
+def config_from_arguments(args: argparse.Namespace, backend: str) -> GPTConfig:
+    return GPTConfig(seq_len=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.d_model,
+                     dropout=args.dropout, backend=backend)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=(*BACKENDS, "both"), default="both")
+    parser.add_argument("--steps", type=int, default=200)
+    add_model_arguments(parser)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                        help="autocast dtype (fp32: no autocast)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median step time")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
+    backends = BACKENDS if args.backend == "both" else (args.backend,)
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"GPT {args.layers} layers x d_model {args.d_model} x {args.heads} heads, seq {args.seq}, "
+          f"batch {args.batch}, dropout {args.dropout}, {args.dtype}{' compiled' if args.compile else ''}, "
+          f"{args.steps} steps on {name}", file=sys.stderr)
+    results = {}
+    for backend in backends:
+        results[backend] = train(config_from_arguments(args, backend), steps=args.steps, batch=args.batch,
+                                 device=device, init_seed=args.seed,
+                                 data_seed=args.seed, lr=args.lr, autocast_dtype=autocast_dtype,
+                                 compile_model=args.compile, progress=True)
+    print(f"{'backend':>8} {'median ms/step':>15} {'tokens/s':>12} {'first loss':>11} {'last loss':>10}")
+    for backend, result in results.items():
+        ms = result.median_step_ms(args.warmup)
+        tokens_per_s = args.batch * args.seq / (ms / 1e3)
+        print(f"{backend:>8} {ms:15.2f} {tokens_per_s:12.0f} {result.losses[0]:11.4f} {result.losses[-1]:10.4f}")
+    if len(results) == 2:
+        ratio = results["torch"].median_step_ms(args.warmup) / results["fused"].median_step_ms(args.warmup)
+        print(f"fused step time is {ratio:.3f}x faster than torch's")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The GPT example (``examples/gpt.py``) trained on both backends: a real model built on all three families.
+
+Interpreter mode trains a one-layer toy in fp32 (the kernels run one program at a time there); CUDA mode a
+two-layer model under bf16 autocast, as people train.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.gpt import GPT, GPTConfig, batches, fused_attention, load_corpus, torch_attention, train
+from kernels.dropout import Dropout
+from kernels.layernorm import LayerNorm
+from tests._mode import DEVICE, by_mode
+
+STEPS = 20
+SIZE = by_mode(interpreter={"seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32},
+               cuda={"seq_len": 128, "n_layer": 2, "n_head": 4, "d_model": 256})
+BATCH = by_mode(interpreter=2, cuda=8)
+AUTOCAST = by_mode(interpreter=None, cuda=torch.bfloat16)
+# Per-step loss agreement of the two backends with dropout 0. fp32 (interpreter): the kernels and torch
+# differ by summation order only. bf16 autocast: each attention output is rounded to bf16 (8 bits), and 20
+# AdamW steps compound the differences.
+LOSS_RTOL = by_mode(interpreter=1e-4, cuda=2e-2)
+# The one-layer toy needs a larger step to move its loss by 0.5 within 20 steps.
+LR = by_mode(interpreter=3e-3, cuda=1e-3)
+
+
+def _train(backend, dropout, steps=STEPS, **kwargs):
+    config = GPTConfig(dropout=dropout, backend=backend, **SIZE)
+    return train(config, steps=steps, batch=BATCH, device=DEVICE, autocast_dtype=AUTOCAST, lr=LR, **kwargs)
+
+
+def test_the_fused_backend_swaps_in_our_modules_and_keeps_the_init():
+    torch.manual_seed(0)
+    fused = GPT(GPTConfig(backend="fused", **SIZE))
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(backend="torch", **SIZE))
+    kinds = {type(m) for m in fused.modules()}
+    assert LayerNorm in kinds and Dropout in kinds and torch.nn.LayerNorm not in kinds
+    assert fused.blocks[0].attention.attend is fused_attention and plain.blocks[0].attention.attend is torch_attention
+    for (name, a), (_, b) in zip(fused.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_twenty_steps_without_dropout_give_the_same_losses_on_both_backends():
+    fused, plain = _train("fused", 0.0), _train("torch", 0.0)
+    assert len(fused.losses) == len(plain.losses) == STEPS
+    for step, (a, b) in enumerate(zip(fused.losses, plain.losses, strict=True), 1):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: fused {a:.5f} vs torch {b:.5f}"
+    assert plain.losses[-1] < plain.losses[0] - 0.5  # it trains at all (from ln 256 = 5.55)
+
+
+def test_twenty_steps_with_dropout_decrease_the_loss():
+    result = _train("fused", 0.1)
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    assert last < first - 0.5, result.losses
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_dropout_makes_training_steps_differ_and_the_seed_repeats_them():
+    a, b = _train("fused", 0.1, steps=3), _train("fused", 0.1, steps=3)
+    assert a.losses == b.losses  # torch.manual_seed(init_seed) governs every mask
+    assert _train("fused", 0.0, steps=3).losses[1:] != a.losses[1:]
+
+
+@pytest.mark.cuda
+def test_the_model_compiles_fullgraph_and_matches_eager():
+    """All three families in one model under torch.compile(fullgraph=True): no graph break; with dropout
+    off the loss and gradients are eager's, with dropout on it trains (masks drawn on the device)."""
+    config = GPTConfig(dropout=0.0, backend="fused", **SIZE)
+    torch.manual_seed(0)
+    model = GPT(config).to(DEVICE)
+    tokens, targets = next(batches(load_corpus(DEVICE), BATCH, config.seq_len, 1))
+    compiled = torch.compile(model, fullgraph=True)
+
+    def loss_and_grads(fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = fn(tokens, targets)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager_loss, eager_grads = loss_and_grads(model)
+    compiled_loss, compiled_grads = loss_and_grads(compiled)
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-2, atol=1e-2)
+    for a, b in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3)
+
+    result = train(GPTConfig(dropout=0.1, backend="fused", **SIZE), steps=STEPS, batch=BATCH, device=DEVICE,
+                   autocast_dtype=torch.bfloat16, compile_model=True)
+    assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.5, result.losses
+
