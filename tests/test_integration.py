@@ -81,6 +81,42 @@ def test_checkpoint_recomputes_the_same_dropout_mask():
     assert not torch.equal(grads(False, seed=99)[0], plain[0])  # another mask would show
 
 
+def _opcheck_cases():
+    """(op name, sample arguments) for every op of the namespace; gradients where the op has a backward."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, grad=False):
+        return torch.randn(*shape, generator=g).to(DEVICE).requires_grad_(grad)
+
+    x, w, b = rand(8, 32, grad=True), rand(32, grad=True), rand(32, grad=True)
+    mean, rstd = x.detach().mean(-1), x.detach().var(-1, unbiased=False).add(1e-5).rsqrt()
+    q, k, v = (rand(1, 2, 40, 32, grad=True) for _ in range(3))
+    o, lse = torch.ops.fused_kernels.flash_attn_fwd(q, k, v, -1, 0, 0.2, 0.1, 9, None, None, None, 0, 0)
+    seed_tensor = torch.tensor(-3, dtype=torch.int64, device=DEVICE)
+    return [
+        ("dropout", (rand(300, grad=True), 0.3, 5, None)),
+        ("dropout", (rand(300, grad=True), 0.6, 0, seed_tensor)),
+        ("dropout_", (rand(300), 0.3, 5, None)),
+        ("norm_fwd", (x, w, b, 1e-5, False, False)),
+        ("norm_fwd", (x, w, None, 1e-6, True, True)),
+        ("norm_bwd", (rand(8, 32), x.detach(), w.detach(), mean, rstd, False, True, False)),
+        ("flash_attn_fwd", (q, k, v, -1, 0, 0.2, 0.1, 0, seed_tensor, None, None, 0, 0)),
+        ("flash_attn_bwd", (rand(1, 2, 40, 32), q.detach(), k.detach(), v.detach(), o.detach(), lse, -1, 0, 0.2,
+                            0.1, 9, None, None, None, 0, 0)),
+    ]
+
+
+@pytest.mark.cuda
+def test_every_registered_op_passes_opcheck():
+    """``torch.library.opcheck`` (schema, fake implementation, autograd registration, AOT dispatch) on each
+    op of the ``fused_kernels`` namespace, every one of which the cases must cover."""
+    cases = _opcheck_cases()
+    registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fused_kernels::")}
+    assert registered == {name for name, _ in cases}
+    for name, args in cases:
+        torch.library.opcheck(getattr(torch.ops.fused_kernels, name).default, args)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", ["dropout", "layer_norm", "rms_norm", "attention"])
 def test_cuda_graph_capture_and_replay_forward_and_backward(family):
