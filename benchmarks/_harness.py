@@ -65,6 +65,26 @@ def time_ms(fn: Callable[[], object], *, grad_to_none: Sequence[torch.Tensor] | 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
 
 
+def graph_us(fn: Callable[[], object], *, replays: int = 100) -> float:
+    """Device microseconds per call of ``fn`` replayed from a CUDA graph: no host work between kernels, so
+    the pure device time of the same work ``host_us`` times from the host."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays * 1e3
+
+
 def host_us(fn: Callable[[], object], *, calls: int = 300, warmup: int = 10, until_done: bool = False) -> float:
     """Microseconds of host time per call: ``calls`` calls issued back to back, the clock stopped before
     waiting for the device. Equal to the per-call cost of the Python/dispatch path whenever the kernels

@@ -19,27 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels.layernorm.ops as ops
-from benchmarks._harness import host_us
+from benchmarks._harness import graph_us, host_us
 from kernels.layernorm import layer_norm
-
-
-def device_us(fn, replays: int = 100) -> float:
-    """Device time of ``fn`` replayed from a CUDA graph (no host work between kernels)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1e3
 
 
 def report(m: int, n: int, dtype: torch.dtype) -> None:
@@ -93,7 +74,7 @@ def report(m: int, n: int, dtype: torch.dtype) -> None:
     ]
     print(f"\nM={m} N={n}: host us/call (back-to-back, no sync) | device us (CUDA graph replay)")
     for name, fn in rows:
-        print(f"  {name:40s} {host_us(fn):7.1f} | {device_us(fn):7.1f}", flush=True)
+        print(f"  {name:40s} {host_us(fn):7.1f} | {graph_us(fn):7.1f}", flush=True)
     for name, fn in host_only:
         print(f"  {name:40s} {host_us(fn):7.1f} |     n/a", flush=True)
 

@@ -23,27 +23,8 @@ import triton.testing
 
 import kernels._common.launch as launch
 import kernels.attention.ops as ops
-from benchmarks._harness import host_us, time_ms
+from benchmarks._harness import graph_us, host_us, time_ms
 from kernels.attention import flash_attention
-
-
-def graph_us(fn, replays: int = 20) -> float:
-    """Device microseconds per call of ``fn`` replayed from a CUDA graph (no host between kernels)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1e3
 
 
 def cfg(c: tuple, d: int) -> dict:

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 import triton.testing
 
 import kernels.layernorm.ops as ops
-from benchmarks._harness import host_us
+from benchmarks._harness import graph_us, host_us
 from kernels.layernorm import layer_norm
-from scripts.host_overhead import device_us
 from scripts.sweep_layernorm import copy_gbps
 
 
@@ -48,7 +47,7 @@ def main() -> None:
         dy = torch.randn_like(x)
         _, mean, rstd = ops._norm_fwd_impl(x, w, b, 1e-5, False)
         _, t_mean, t_rstd = torch.ops.aten.native_layer_norm(x, (n,), w, b, 1e-5)
-        torch_us = device_us(lambda: torch.ops.aten.native_layer_norm_backward(
+        torch_us = graph_us(lambda: torch.ops.aten.native_layer_norm_backward(
             dy, x, (n,), t_mean, t_rstd, w, b, [True, True, True]))
         print(f"\nM={m} N={n} bf16: device us (graph replay); torch ATen backward {torch_us:.1f}")
         for det, cap, width, per_sm in itertools.product((False, True), (64, 128, 256, 1024), (256, 64),
@@ -56,7 +55,7 @@ def main() -> None:
             if det and cap != 64:
                 continue
             ops._MAX_GROUP_SIZE_M, ops._DWDB_BLOCK_N, ops._PROGRAMS_PER_SM = cap, width, per_sm
-            us = device_us(lambda: ops._norm_bwd_impl(dy, x, w, mean, rstd, False, True, det))
+            us = graph_us(lambda: ops._norm_bwd_impl(dy, x, w, mean, rstd, False, True, det))
             mode = "deterministic" if det else f"lock cap {cap:4d}"
             print(f"  {mode:18s} final-sum cols {width:3d}  {per_sm}/SM  {us:7.1f}", flush=True)
         ops._MAX_GROUP_SIZE_M, ops._DWDB_BLOCK_N, ops._PROGRAMS_PER_SM = 64, 256, 4

@@ -19,9 +19,8 @@ import time
 
 import torch
 
-from benchmarks._harness import time_ms
+from benchmarks._harness import graph_us, time_ms
 from kernels.attention import flash_attention
-from scripts.probe_attention_bwd_fusion import graph_us
 
 
 def per_call_us(fn, calls: int) -> float:
