@@ -66,15 +66,17 @@ def seed_value(seed: Seed) -> int:
 _PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
 
 
-def seed_pointer(seed: Seed, like: torch.Tensor, traceable: bool) -> tuple[torch.Tensor, int]:
+def seed_pointer(seed_tensor: torch.Tensor | None, like: torch.Tensor,
+                 traceable: bool) -> tuple[torch.Tensor, int]:
     """A kernel's ``(seed_ptr, seed_in_memory)`` arguments (``philox_key`` in ``kernels.dropout._kernels``): a
-    device seed itself and 1, or an int64 placeholder that is never read and 0.
+    device seed itself and 1, or (no device seed: the key travels as ints) an int64 placeholder that is
+    never read and 0.
 
     The placeholder is a tensor even in eager launches, where None would cost nothing: None makes Triton
     compile a second variant of the kernel, which a graph captured after an eager warm-up would then have to
     compile during capture (not allowed). Eager launches share one cached placeholder per device."""
-    if isinstance(seed, torch.Tensor):
-        return seed, 1
+    if seed_tensor is not None:
+        return seed_tensor, 1
     if traceable:  # traced: a fresh tensor in the graph, never a cached one
         return torch.empty(1, dtype=torch.int64, device=like.device), 0
     device = like.device

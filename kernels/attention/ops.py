@@ -149,7 +149,7 @@ def _dropout_args(dropout_p: float, seed: Seed) -> tuple:
 def _drop_launch_args(drop: tuple, like: torch.Tensor, traceable: bool) -> tuple[tuple, dict]:
     """The kernels' dropout arguments for ``_dropout_args``'s tuple: run-time ones and constexpr flags."""
     seed_lo, seed_hi, seed_tensor, threshold, inv_keep = drop
-    seed_ptr, seed_in_memory = seed_pointer(seed_tensor if seed_tensor is not None else 0, like, traceable)
+    seed_ptr, seed_in_memory = seed_pointer(seed_tensor, like, traceable)
     return (seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, inv_keep), {"DROPOUT": threshold != 0}
 
 

@@ -83,7 +83,7 @@ def _launch(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: 
     chunks, num_warps = _launch_config(n, src.dtype)
     grid = (cdiv(n, _CHUNK * chunks),)
     seed_lo, seed_hi, seed_tensor, threshold, scale = scalars
-    seed_ptr, seed_in_memory = seed_pointer(seed_tensor if seed_tensor is not None else 0, src, traceable)
+    seed_ptr, seed_in_memory = seed_pointer(seed_tensor, src, traceable)
     kernel_for(_dropout_fwd_kernel, traceable=traceable)[grid](
         src, out, n, seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, scale, CHUNKS=chunks,
         num_warps=num_warps,
