@@ -91,6 +91,10 @@ def _check_shapes(q, k, v) -> tuple[int, int]:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and head dim")
+    if k.shape[1] == 0:  # no heads at all: an empty result
+        if q.shape[1] != 0:
+            raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv (0)")
+        return 1, q.shape[3]
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
     return q.shape[1] // k.shape[1], q.shape[3]
@@ -197,7 +201,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale
                                                  batch_offset=batch_offset)
     b, hq, sq, d = q.shape
     sk = k.shape[2]
-    group = hq // k.shape[1]
+    group = hq // k.shape[1] if k.shape[1] else 1
     dof, of = do.to(ct), o.to(ct)
     lse_f = lse.to(ct)
     delta = (dof * of).sum(dim=-1)  # (B, Hq, Sq): the preprocess kernel

@@ -38,10 +38,11 @@ def _tensor(shape, dtype, seed, *, transpose=False):
     seed=st.integers(0, 2**64 - 1),
     dtype=st.sampled_from(FLOAT_DTYPES),
     transpose=st.booleans(),
+    step=st.integers(1, 3),
 )
-def test_dropout_kernel_equals_twin(shape, p, seed, dtype, transpose):
+def test_dropout_kernel_equals_twin(shape, p, seed, dtype, transpose, step):
     assume(math.prod(shape) <= MAX_ELEMENTS)
-    x = _tensor(shape, dtype, seed % 1000, transpose=transpose)
+    x = _tensor(shape, dtype, seed % 1000, transpose=transpose)[..., ::step]
     assert torch.equal(dropout(x, p, seed=seed), dropout_twin.dropout(x, p, seed=seed))
 
 
@@ -53,17 +54,34 @@ def test_dropout_kernel_equals_twin(shape, p, seed, dtype, transpose):
     affine=st.sampled_from(["none", "weight", "both"]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     seed=st.integers(0, 1000),
+    layout=st.sampled_from(["contiguous", "row-strided", "transposed"]),
+    deterministic=st.booleans(),
 )
-def test_norm_kernel_is_close_to_twin(m, n, rms, affine, dtype, seed):
-    x = _tensor((m, n), dtype, seed) * 3 + 1
+def test_norm_kernel_is_close_to_twin(m, n, rms, affine, dtype, seed, layout, deterministic):
+    x = {"contiguous": lambda: _tensor((m, n), dtype, seed),
+         "row-strided": lambda: _tensor((m, n + 5), dtype, seed)[:, 2:n + 2],  # rows n + 5 apart
+         "transposed": lambda: _tensor((n, m), dtype, seed).t()}[layout]() * 3 + 1
     w = _tensor((n,), dtype, seed + 1) if affine != "none" else None
     b = _tensor((n,), dtype, seed + 2) if affine == "both" and not rms else None
+    dy = _tensor((m, n), dtype, seed + 3)
+    xl, wl, bl = (None if t is None else t.detach().requires_grad_(True) for t in (x, w, b))
+    leaves = [t for t in (xl, wl, bl) if t is not None]
     if rms:
-        got, expected = rms_norm(x, n, w, 1e-6), layernorm_twin.rms_norm(x, n, w, 1e-6)
+        got = rms_norm(xl, n, wl, 1e-6, deterministic=deterministic)
+        y, rstd = layernorm_twin.rms_norm_forward(x, w, 1e-6)
+        dx, dw = layernorm_twin.rms_norm_backward(dy, x, w, rstd)
+        db = None
     else:
-        got, expected = layer_norm(x, n, w, b, 1e-5), layernorm_twin.layer_norm(x, n, w, b, 1e-5)
+        got = layer_norm(xl, n, wl, bl, 1e-5, deterministic=deterministic)
+        y, mean, rstd = layernorm_twin.layer_norm_forward(x, w, b, 1e-5)
+        dx, dw, db = layernorm_twin.layer_norm_backward(dy, x, w, mean, rstd)
+    expected_grads = [dx] + [g for g, t in ((dw, w), (db, b)) if t is not None]
+    grads = torch.autograd.grad(got, leaves, dy)
     tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-4}[dtype]
-    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, y.to(got.dtype), rtol=tol, atol=tol)
+    for g, e in zip(grads, expected_grads, strict=True):
+        # dW/dB sum over m rows: the tolerance grows with the row count
+        torch.testing.assert_close(g, e.to(g.dtype), rtol=tol, atol=tol * max(1, m) ** 0.5 * 4)
 
 
 @PROFILE
@@ -78,17 +96,29 @@ def test_norm_kernel_is_close_to_twin(m, n, rms, affine, dtype, seed):
     window=st.tuples(st.integers(-1, 40), st.integers(-1, 40)),
     dropout_p=st.sampled_from([0.0, 0.0, 0.3]),
     seed=st.integers(0, 1000),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    bshd=st.booleans(),
 )
-def test_attention_kernel_is_close_to_twin(b, hkv, group, sq, sk, d, causal, window, dropout_p, seed):
-    q = _tensor((b, hkv * group, sq, d), torch.float32, seed)
-    k = _tensor((b, hkv, sk, d), torch.float32, seed + 1)
-    v = _tensor((b, hkv, sk, d), torch.float32, seed + 2)
+def test_attention_kernel_is_close_to_twin(b, hkv, group, sq, sk, d, causal, window, dropout_p, seed, dtype, bshd):
+    def make(heads, s, offset):
+        if bshd:  # (B, S, H, D) memory viewed as (B, H, S, D), as a model's projections give it
+            return _tensor((b, s, heads, d), dtype, seed + offset).transpose(1, 2)
+        return _tensor((b, heads, s, d), dtype, seed + offset)
+
+    q, k, v = make(hkv * group, sq, 0), make(hkv, sk, 1), make(hkv, sk, 2)
+    do = _tensor((b, hkv * group, sq, d), dtype, seed + 3)
     kw = {"causal": causal, "window_size": window, "dropout_p": dropout_p, "seed": seed}
-    got, lse = flash_attention(q, k, v, return_lse=True, **kw)
-    expected, expected_lse = attention_twin.flash_attention_forward(q, k, v, **kw)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    got, lse = flash_attention(*leaves, return_lse=True, **kw)
+    grads = torch.autograd.grad(got, leaves, do)
+    qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
+    expected, expected_lse = attention_twin.flash_attention_forward(qf, kf, vf, **kw)
+    expected_grads = attention_twin.flash_attention_backward(dof, qf, kf, vf, expected, expected_lse, **kw)
+    tol = {torch.float16: 1e-2, torch.bfloat16: 6e-2, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     assert torch.equal(torch.isinf(lse), torch.isinf(expected_lse))
     finite = torch.isfinite(expected_lse)
     torch.testing.assert_close(lse[finite], expected_lse[finite], rtol=1e-4, atol=1e-4)
-    assert not math.isnan(got.sum().item())
-
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert g.dtype == dtype and g.shape == e.shape
+        torch.testing.assert_close(g.float(), e, rtol=tol, atol=tol * 4)

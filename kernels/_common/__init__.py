@@ -15,6 +15,7 @@ from kernels._common.runtime import INTERPRETER, backend_for, interpreter_reques
 from kernels._common.seed import Seed, device_seed, draw_seed, seed_for_call, splitmix64
 from kernels._common.validate import (
     FLOAT_DTYPES,
+    check_finite_number,
     check_float_dtype,
     check_probability,
     check_same_device,
@@ -34,6 +35,7 @@ __all__ = [
     "autotune",
     "backend_for",
     "cdiv",
+    "check_finite_number",
     "check_float_dtype",
     "check_probability",
     "check_same_device",

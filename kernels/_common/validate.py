@@ -31,7 +31,8 @@ def check_float_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ..
     """``t`` must have one of the floating dtypes the kernels support."""
     check_tensor(name, t)
     if t.dtype not in allowed:
-        raise TypeError(f"{name} must have dtype in ({_dtype_names(allowed)}), got {t.dtype}")
+        what = "have" if t.is_floating_point() else "be a floating-point tensor with"
+        raise TypeError(f"{name} must {what} dtype in ({_dtype_names(allowed)}), got {t.dtype}")
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:
@@ -69,6 +70,18 @@ def check_probability(name: str, p, *, allow_one: bool) -> float:
         interval = "[0, 1]" if allow_one else "[0, 1)"
         raise ValueError(f"{name} must be in {interval}, got {p}")
     return p
+
+
+def check_finite_number(name: str, value, *, minimum: float | None = None) -> float:
+    """``value`` must be a real, finite number (and ``>= minimum`` when given); returns it as a float."""
+    value = concrete_scalar(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or (minimum is not None and value < minimum):
+        bound = f"a finite number >= {minimum}" if minimum is not None else "a finite number"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
 
 
 def check_seed(name: str, seed) -> int | None:

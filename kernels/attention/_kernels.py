@@ -243,7 +243,9 @@ def _attn_fwd_kernel(
                                     full_hi, end, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
                                     True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
                                     pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
-    seen = l_i > 0.0
+    # l_i = 0 only for a row that saw no key; not `l_i > 0`, which is False for a NaN row and would turn
+    # a NaN (from a NaN or Inf in q, k or v) into zeros instead of propagating it, as torch does
+    seen = ~(l_i == 0.0)
     safe_l = tl.where(seen, l_i, 1.0)
     o = tl.where(seen[:, None], acc / safe_l[:, None], 0.0)
     o_ptrs = _head_base(o_ptr, b, h, stride_ob, stride_oh, q_start, stride_os) + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od

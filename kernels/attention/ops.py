@@ -20,6 +20,7 @@ from kernels._common import (
     autocast_cast,
     backend_for,
     cdiv,
+    check_finite_number,
     check_float_dtype,
     check_probability,
     check_same_device,
@@ -405,11 +406,18 @@ def _validate(q, k, v, *, packed: bool = False) -> None:
     kv_heads = k.shape[-2] if packed else k.shape[1]
     if d != d_k:
         raise ValueError(f"q and k must have the same head dim, got {d} and {d_k}")
-    if kv_heads == 0 or heads % kv_heads != 0:
+    if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads != 0):
         raise ValueError(f"the number of query heads ({heads}) must be a multiple of the number of "
                          f"key/value heads ({kv_heads})")
     if not 1 <= d <= _MAX_HEAD_DIM:
         raise ValueError(f"head dim must be between 1 and {_MAX_HEAD_DIM}, got {d}")
+
+
+def _scale(softmax_scale, head_dim: int) -> float:
+    """The score scale: ``softmax_scale`` (a finite number) or ``1 / sqrt(head_dim)``."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return check_finite_number("softmax_scale", softmax_scale)
 
 
 def _window(window_size, causal: bool) -> tuple[int, int]:
@@ -453,7 +461,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     _validate(q, k, v)
     left, right = _window(window_size, bool(causal))
     dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    scale = _scale(softmax_scale, q.shape[3])
     o, lse = _run(q, k, v, left, right, scale, dropout_p, seed)
     return (o, lse) if return_lse else o
 
@@ -490,7 +498,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     left, right = _window(window_size, bool(causal))
     dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    scale = _scale(softmax_scale, q.shape[2])
     o, lse = _run(q, k, v, left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                   int(max_seqlen_k))
     return (o, lse) if return_lse else o

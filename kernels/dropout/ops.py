@@ -169,19 +169,20 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int
             shape) is decided by Philox word ``i``.
         inplace: write the result into ``x`` (returns ``x``).
 
-    Returns ``x`` itself when ``p == 0`` or ``training`` is False; zeros when ``p == 1``. The backward
+    Returns ``x`` itself when ``p == 0`` or ``training`` is False; ``x * 0`` when ``p == 1`` (zeros, with
+    NaN where ``x`` is NaN or infinite, as torch). A dropped element is ``x * 0`` too, so a NaN or Inf in
+    ``x`` comes out as NaN wherever it is, as from ``torch.nn.functional.dropout``. The backward
     regenerates the mask from the seed: 0 bytes per element are saved.
     """
     check_tensor("x", x)
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor (float16, bfloat16, float32), got {x.dtype}")
     check_float_dtype("x", x, FLOAT_DTYPES)
     p = check_probability("p", p, allow_one=True)
     seed = check_seed("seed", seed)
     if not training or p == 0.0:
         return x
     if p == 1.0:
-        return x.zero_() if inplace else torch.where(torch.zeros((), dtype=torch.bool, device=x.device), x, 0.0)
+        # x * 0, as torch: zeros, except that NaN and +-Inf become NaN (a bad value is never hidden)
+        return x.mul_(0.0) if inplace else x * 0.0
     backend_for(x)  # a clear error for unsupported devices before any seed is drawn
     seed = seed_for_call(seed, x.device)
     needs_grad = x.requires_grad and torch.is_grad_enabled()

@@ -35,6 +35,7 @@ from kernels._common import (
     autocast_cast,
     backend_for,
     cdiv,
+    check_finite_number,
     check_float_dtype,
     check_same_device,
     check_tensor,
@@ -320,8 +321,6 @@ norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _check(x, normalized_shape, weight, bias) -> tuple[tuple[int, ...], int]:
     check_tensor("x", x)
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor (float16, bfloat16, float32), got {x.dtype}")
     check_float_dtype("x", x)
     if isinstance(normalized_shape, int):
         shape = (normalized_shape,)
@@ -344,6 +343,7 @@ def _check(x, normalized_shape, weight, bias) -> tuple[tuple[int, ...], int]:
 
 
 def _norm(x, shape, n, weight, bias, eps, is_rms, deterministic):
+    eps = check_finite_number("eps", eps, minimum=0.0)
     if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, weight, bias)):
         return _NormFunction.apply(x, weight, bias, n, float(eps), is_rms, deterministic)
