@@ -50,7 +50,8 @@ for tool in "${tools[@]}"; do
       (
         FK_TEST_SHARD="$i/$shards" timeout "${SANITIZE_TIMEOUT:-540}" \
           compute-sanitizer --tool "$tool" --target-processes all ${SANITIZE_ARGS:-} \
-          python3 -m pytest "$file" "$k_flag" "$expr" -q -p no:cacheprovider -x > "$log.full" 2>&1
+          python3 -m pytest "$file" "$k_flag" "$expr" -q -p no:cacheprovider -x \
+          --basetemp="/tmp/fk-sanitize-$name" > "$log.full" 2>&1  # basetemp: a name to find leftovers by
         rc=$?
         printf '\nexit %s\n' "$rc" >> "$log.full"  # 124: timed out before the summary
         { grep -E "passed|failed|ERROR SUMMARY|RACECHECK SUMMARY|^exit" "$log.full"; echo "-- head"; head -n 60 "$log.full"; echo "-- tail"; tail -n 40 "$log.full"; } > "$log"
@@ -61,7 +62,7 @@ for tool in "${tools[@]}"; do
   done
 done
 for pid in "${pids[@]}"; do wait "$pid"; done
-pkill -f "python3 -m pytest tests/test_" 2>/dev/null  # what a timed-out sanitizer left running
+pkill -f -- "--basetemp=/tmp/fk-sanitize-" 2>/dev/null  # what a timed-out sanitizer left running (only ours)
 : > "$OUT/sanitize.txt"
 : > "$OUT/sanitize-logs.txt"
 for log in "${logs[@]}"; do
