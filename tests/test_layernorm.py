@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.layernorm.ops as ops
 import reference.layernorm as twin
 from kernels.layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
 from tests._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
@@ -103,6 +104,23 @@ def test_kernel_equals_twin(kind, m, n):
         expected = (y, dx, dw)
     for o, e in zip(ours, expected, strict=True):
         torch.testing.assert_close(o, e.to(o.dtype), rtol=1e-4, atol=1e-4 * max(1, m) ** 0.5)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("n", by_mode(interpreter=[2, 7, 33], cuda=[2, 7, 17, 33, 100, 1000, 5000, 40000]), ids=str)
+def test_every_column_is_normalized_with_the_stored_statistics(kind, n):
+    """y must be exactly ``(x - mean) * rstd`` with the *stored* fp32 mean and rstd, in every column.
+
+    The lanes that share a row each hold a copy of its statistics; if they round differently (the
+    compiler once fused a lane's own square into the cross-lane add) the columns of a row get 1/std one
+    ulp apart and the stored copy is whichever lane won the shared-memory write. Without weight or bias
+    the kernel's y is one sub and one mul per element, the same two roundings as torch's expression.
+    """
+    m = by_mode(interpreter=9, cuda=4099)
+    x = torch.randn(m, n, device=DEVICE) * 3 + 1
+    y, mean, rstd = ops._norm_fwd_impl(x, None, None, 1e-5, kind == "rms")
+    centered = x if kind == "rms" else x - mean[:, None]
+    assert torch.equal(y, centered * rstd[:, None])
 
 
 def test_twin_backward_equals_autograd_in_float64():

@@ -52,6 +52,20 @@ def _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS: tl.
 
 
 @triton.jit
+def _row_sum_of_squares(v):
+    """``sum(v * v)`` along axis 1 with every product rounded before the cross-lane adds.
+
+    Triton reduces a row across lanes with butterfly shuffles. Left to itself the compiler contracts a
+    lane's own ``v * v`` into the first shuffle add (``fma(v, v, partner_partial)``), so the lanes of
+    one row round differently and end up holding statistics one ulp apart; the statistic store then
+    writes those copies to one shared-memory address (racecheck: a write-write hazard with different
+    values), and the columns of a row are normalized with different 1/std. ``fma(v, v, 0.0)`` is the
+    rounded square (a square is never -0), which the compiler cannot contract further.
+    """
+    return tl.sum(tl.fma(v, v, 0.0), axis=1)
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr,  # (M, N) input, row stride stride_x_row, unit column stride
     y_ptr,  # (M, N) output, row stride stride_y_row
@@ -86,7 +100,7 @@ def _layer_norm_fwd_kernel(
         else:
             mean = tl.div_rn(tl.sum(x, axis=1), N * 1.0)
             xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.div_rn(tl.sum(xc * xc, axis=1), N * 1.0) + eps)
+        rstd = 1.0 / tl.sqrt(tl.div_rn(_row_sum_of_squares(xc), N * 1.0) + eps)
         _affine_store(xc * rstd[:, None], y_rows, w_ptr, b_ptr, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
         _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS)
     else:
@@ -105,7 +119,7 @@ def _layer_norm_fwd_kernel(
                 mask = row_mask[:, None] & (c[None, :] < N)
                 x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
                 if IS_RMS:
-                    m2 += tl.sum(x * x, axis=1)
+                    m2 += _row_sum_of_squares(x)
                 else:
                     count_b = tl.minimum(N - start, BLOCK_N).to(tl.float32)
                     count_a = tl.cast(start, tl.float32)
@@ -114,7 +128,7 @@ def _layer_norm_fwd_kernel(
                     delta = mean_b - mean
                     total = count_a + count_b
                     mean = mean + delta * (count_b / total)
-                    m2 = m2 + tl.sum(xc * xc, axis=1) + delta * delta * (count_a * count_b / total)
+                    m2 = m2 + _row_sum_of_squares(xc) + delta * delta * (count_a * count_b / total)
             rstd = 1.0 / tl.sqrt(tl.div_rn(m2, N * 1.0) + eps)
             for i in tl.range(0, n_chunks, num_stages=LOOP_STAGES):
                 c = (n_chunks - 1 - i) * BLOCK_N + cols
