@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -63,6 +64,28 @@ def time_ms(fn: Callable[[], object], *, grad_to_none: Sequence[torch.Tensor] | 
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def interleaved_medians(runs: dict[str, Callable[[], object]], rounds: int, *,
+                        check: Callable[[str], None] | None = None, label: str = "") -> dict[str, float]:
+    """Median milliseconds of each of ``runs`` over ``rounds`` interleaved rounds (every variant once per
+    round, so that clock drift falls on all alike). Each variant runs once first, then ``check(name)`` if
+    given; a variant that raises there (does not compile, out of resources, wrong output) is reported
+    on one line, prefixed by ``label``, and left out."""
+    kept = {}
+    for name, fn in runs.items():
+        try:
+            fn()
+            if check is not None:
+                check(name)
+            kept[name] = fn
+        except Exception as err:  # a probe's variant that cannot run here: say why and go on
+            print(f"  {label}{name}: {type(err).__name__}: {str(err).splitlines()[0][:100]}", flush=True)
+    times: dict[str, list[float]] = {name: [] for name in kept}
+    for _ in range(rounds):
+        for name, fn in kept.items():
+            times[name].append(time_ms(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def graph_us(fn: Callable[[], object], *, replays: int = 100) -> float:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 
 import torch
 
 import kernels.attention.ops as ops
-from benchmarks._harness import time_ms
+from benchmarks._harness import interleaved_medians
 from benchmarks.bench_attention import _flex
 from kernels.attention import flash_attention
 
@@ -48,20 +47,10 @@ def main() -> None:
             cfg = {"BLOCK_M": c[0], "BLOCK_N": c[1], "BLOCK_D": d, "EVEN_D": True, "num_warps": c[2],
                    "num_stages": c[3]}
             runs[str(c)] = lambda cfg=cfg: ops._launch_fwd(q, k, v, o, lse, -1, -1, scale, cfg)
-        times = {name: [] for name in runs}
-        for name, fn in list(runs.items()):
-            try:
-                fn()
-            except Exception as err:  # out of resources
-                print(f"  {name}: {type(err).__name__}: {str(err).splitlines()[0][:80]}")
-                del runs[name], times[name]
-        for _ in range(args.rounds):
-            for name, fn in runs.items():
-                times[name].append(time_ms(fn))
+        medians = interleaved_medians(runs, args.rounds)
         flops = 4 * b * h * s * s * d
-        ranked = sorted(times.items(), key=lambda kv: statistics.median(kv[1]))
-        print(f"D={d:3} " + "  ".join(f"{name}: {flops / statistics.median(t) / 1e9:4.0f}" for name, t in ranked),
-              flush=True)
+        ranked = sorted(medians.items(), key=lambda kv: kv[1])
+        print(f"D={d:3} " + "  ".join(f"{name}: {flops / t / 1e9:4.0f}" for name, t in ranked), flush=True)
 
 
 if __name__ == "__main__":

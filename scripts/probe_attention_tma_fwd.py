@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 
 import kernels.attention.ops as ops
-from benchmarks._harness import time_ms
+from benchmarks._harness import interleaved_medians
 from benchmarks.bench_attention import _flex
 from kernels.attention import flash_attention
 
@@ -100,25 +99,17 @@ def main() -> None:
                         _probe_fwd_kernel[(s // bm, b * h)](q, k, v, o, s, scale_log2, H=h, BLOCK_M=bm, BLOCK_N=bn,
                                                             D=d, MODE=mode, STAGES=stages, num_warps=warps)
                     runs[f"{label}{(bm, bn, warps, stages)}"] = launch
-            times = {}
-            for name, fn in list(runs.items()):
-                try:
-                    fn()
-                    if name not in ("library", "flex"):
-                        out = o_lib if name.startswith("lib(") else o
-                        err = (out.float() - ref.float()).abs().max().item()
-                        assert err < 2e-2, f"wrong output (max error {err})"
-                    times[name] = []
-                except Exception as exc:  # a variant that does not compile or gives a wrong output
-                    print(f"  S={s} D={d} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
-                    del runs[name]
-            for _ in range(args.rounds):
-                for name, fn in runs.items():
-                    times[name].append(time_ms(fn))
+
+            def check(name):
+                if name not in ("library", "flex"):
+                    out = o_lib if name.startswith("lib(") else o
+                    err = (out.float() - ref.float()).abs().max().item()
+                    assert err < 2e-2, f"wrong output (max error {err})"
+
+            medians = interleaved_medians(runs, args.rounds, check=check, label=f"S={s} D={d} ")
             flops = 4 * b * h * s * s * d
-            ranked = sorted(times.items(), key=lambda kv: statistics.median(kv[1]))
-            print(f"S={s:5} D={d:3} " + "  ".join(f"{n}: {flops / statistics.median(t) / 1e9:4.0f}" for n, t in ranked),
-                  flush=True)
+            ranked = sorted(medians.items(), key=lambda kv: kv[1])
+            print(f"S={s:5} D={d:3} " + "  ".join(f"{n}: {flops / t / 1e9:4.0f}" for n, t in ranked), flush=True)
 
 
 if __name__ == "__main__":
