@@ -148,7 +148,9 @@ KERNEL_CASES = by_mode(
                  (1, 1, 1, 65, 130, 64)],
     cuda=[(b, hq, hkv, sq, sk, d) for (b, hq, hkv) in ((2, 4, 4), (1, 4, 1)) for (sq, sk) in
           ((1, 1), (17, 17), (128, 128), (200, 200), (1000, 1000), (200, 77), (77, 1000))
-          for d in (16, 40, 64, 80, 128, 256)],
+          for d in (16, 40, 64, 80, 128, 256)]
+    # from ops._FULL_SEQ queries on, full attention takes larger query blocks (256 rows at D = 128)
+    + [(1, 2, 1, 1100, 1100, 64), (1, 2, 1, 1100, 1100, 96), (1, 2, 2, 1024, 1500, 128), (2, 2, 2, 1300, 777, 128)],
 )
 ATTN_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 
@@ -459,7 +461,7 @@ def _packed(lengths_q, lengths_k, hq, hkv, d, dtype):
 VARLEN_CASES = by_mode(
     interpreter=[((1, 17, 40), (1, 17, 40), 2, 1, 16), ((5, 33), (70, 2), 2, 2, 40)],
     cuda=[((1, 17, 40, 300, 129), (1, 17, 40, 300, 129), 4, 2, 64), ((5, 33, 1000), (70, 2, 999), 4, 4, 128),
-          ((1, 1, 1), (1, 3, 2), 2, 1, 80)],
+          ((1, 1, 1), (1, 3, 2), 2, 1, 80), ((1100, 300), (1030, 1500), 2, 1, 96)],
 )
 
 
@@ -581,19 +583,27 @@ def test_narrow_band_launch_table_applies_only_to_short_bounded_bands():
 def test_short_sequence_forward_table():
     import kernels.attention.ops as ops
 
-    long = ops._config("fwd", 128, torch.float16)
-    assert ops._config("fwd", 128, torch.bfloat16, -1, -1, ops._SHORT_SEQ)["BLOCK_M"] == 64
-    assert ops._config("fwd", 128, torch.float16, -1, -1, ops._SHORT_SEQ + 1) == long
+    long = ops._config("fwd", 128, torch.float16, -1, 0)
+    assert ops._config("fwd", 128, torch.bfloat16, -1, 0, ops._SHORT_SEQ)["BLOCK_M"] == 64
+    assert ops._config("fwd", 128, torch.bfloat16, -1, -1, ops._FULL_SEQ - 1)["BLOCK_M"] == 64
+    assert ops._config("fwd", 128, torch.float16, -1, 0, ops._SHORT_SEQ + 1) == long
     assert ops._config("fwd", 128, torch.float32, -1, -1, 16) == ops._config("fwd", 128, torch.float32)
     assert ops._config("dq", 128, torch.float16, -1, -1, 16) == ops._config("dq", 128, torch.float16)
-    assert ops._config("fwd", 64, torch.float16, -1, -1, 16) == ops._config("fwd", 64, torch.float16)
+    assert ops._config("fwd", 64, torch.float16, -1, 0, 16) == ops._config("fwd", 64, torch.float16, -1, 0)
 
 
 def test_sequence_length_tables():
     import kernels.attention.ops as ops
 
-    assert ops._config("fwd", 64, torch.float16, -1, -1, ops._LONG_SEQ) == ops._config("fwd", 64, torch.float16)
-    assert ops._config("fwd", 64, torch.float16, -1, -1, ops._LONG_SEQ + 1)["BLOCK_M"] == 128
+    short_causal = ops._config("fwd", 64, torch.float16, -1, 0, ops._LONG_SEQ)
+    assert short_causal["BLOCK_M"] == ops._CONFIGS["fwd"][64][0] == 64
+    assert ops._config("fwd", 64, torch.float16, -1, 0, ops._LONG_SEQ + 1)["BLOCK_M"] == 128
+    # full attention over long enough sequences: larger query blocks from _FULL_SEQ on, at any length above
+    for d, block_m in ((64, 128), (128, 256)):
+        assert ops._config("fwd", d, torch.bfloat16, -1, -1, ops._FULL_SEQ - 1)["BLOCK_M"] == 64
+        for sq in (ops._FULL_SEQ, 16384):
+            assert ops._config("fwd", d, torch.float16, -1, -1, sq)["BLOCK_M"] == block_m
+        assert ops._config("fwd", d, torch.float32, -1, -1, 16384) == ops._config("fwd", d, torch.float32)
     assert ops._config("fwd", 64, torch.float32, -1, -1, ops._LONG_SEQ + 1) == ops._config("fwd", 64, torch.float32)
     assert ops._config("dkdv", 64, torch.float16, -1, 0, 16)["BLOCK_N"] == 64  # short causal: small tiles
     assert ops._config("dkdv", 64, torch.float16, -1, -1, 16) == ops._config("dkdv", 64, torch.float16)

@@ -73,16 +73,25 @@ _NARROW_BAND_CONFIGS = {
 # entry in two sweeps on the H200 (S = 1024, fp16): 428 vs 398 and 424 vs 399 TFLOP/s non-causal, 319 vs 296 and
 # 321 vs 296 causal (`attention-sweep.txt`, `attention-fwd-sweep-2026-11-22.txt`). With a band edge (causal),
 # D = 64: small dK/dV and dQ tiles in one launch, +9% over the two-launch entries at S = 1024 (-6% at 16384)
-# (`attention-bwd-fusion-probe.txt`).
+# (`attention-bwd-fusion-probe.txt`). Full attention over _FULL_SEQ or more queries takes _FULL_SEQ_CONFIGS first.
 _SHORT_SEQ = 1024
 _SHORT_SEQ_CONFIGS = {"fwd": {128: (64, 64, 4, 3)}}
 _SHORT_BAND_CONFIGS = {"dkdv": {64: (32, 64, 4, 3)}, "dq": {64: (64, 64, 4, 3)}}
-# Long sequences (Sq > _LONG_SEQ), forward at D = 64: 128-row query blocks and 8 warps, 410-415 vs 396 TFLOP/s
-# non-causal and 383-403 vs 380-398 causal at S = 16384 in two sweeps (`attention-fwd-sweep-2026-11-22.txt`).
-_LONG_SEQ = 4096
+# Long sequences (Sq > _LONG_SEQ), forward at D = 64: 128-row query blocks and 8 warps. At S = 16384: 410-415 vs
+# 396 TFLOP/s non-causal and 383-403 vs 380-398 causal in two sweeps (`attention-fwd-sweep-2026-11-22.txt`); at
+# S = 4096 causal, public call, +2% in two runs of 7 interleaved rounds (`attention-fwd-ab-2026-11-22.txt`,
+# fp16 and bf16). Causal at S = 1024 lost 1-4% there, so short causal calls keep the 64-row entry.
+_LONG_SEQ = 1024
 _LONG_SEQ_CONFIGS = {"fwd": {64: (128, 64, 8, 3)}}
-# Full attention (no band edge), dQ at D = 64 with 4 warps, so that it shares one launch with dK/dV: +5%, +8%,
-# +1% at S = 1024, 4096, 16384 (`attention-bwd-fusion-probe.txt`).
+# Full attention (no band edge) over Sq >= _FULL_SEQ queries, forward: larger query blocks, so that each K/V tile
+# read from L2 serves more rows (a 64-row block at D = 128 needs ~6 TB/s of L2 reads at 400 TFLOP/s). Same
+# record: D = 64 (128, 64, 8, 3) +4 to +6% at S = 1024 and +2 to +5% at 4096 over (64, 64, 4, 3); D = 128
+# (256, 64, 16 warps, 3) +9 to +10% at S = 1024, +2 to +3% at 4096 and +3 to +4% at 16384 over the entries below
+# (causal: -3 to -12%, not used there). Below _FULL_SEQ the big blocks would mostly hold padding rows.
+_FULL_SEQ = 1024
+_FULL_SEQ_CONFIGS = {"fwd": {64: (128, 64, 8, 3), 128: (256, 64, 16, 3)}}
+# Full attention, dQ at D = 64 with 4 warps, so that it shares one launch with dK/dV: +5%, +8%, +1% at S = 1024,
+# 4096, 16384 (`attention-bwd-fusion-probe.txt`).
 _FULL_CONFIGS = {"dq": {64: (128, 64, 4, 3)}}
 _FP32_CONFIG = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (32, 32, 4, 2), 256: (32, 16, 4, 1)}
 # Head dims above 256 (up to 1024): small blocks so that the tiles fit in shared memory.
@@ -110,6 +119,7 @@ def _config(kernel: str, d: int, dtype: torch.dtype, left: int = -1, right: int 
         short = sq is not None and sq <= _SHORT_SEQ
         tables = [
             (left >= 0 and right >= 0 and left + right + 1 <= _NARROW_BAND, _NARROW_BAND_CONFIGS),
+            (full and sq is not None and sq >= _FULL_SEQ, _FULL_SEQ_CONFIGS),
             (short, _SHORT_SEQ_CONFIGS),
             (short and not full, _SHORT_BAND_CONFIGS),
             (sq is not None and sq > _LONG_SEQ, _LONG_SEQ_CONFIGS),
