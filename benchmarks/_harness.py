@@ -218,9 +218,15 @@ def _metric(records: list[dict]) -> str:
     return "gbps" if "gbps" in records[0] else "tflops"
 
 
+#: Peers whose ratio gets a column of its own in a family's table (keyed by the family name's first word): the
+#: ones its targets name (TARGETS.md), beside the ratio to the best peer.
+RATIO_PEERS: dict[str, tuple[str, ...]] = {"attention": ("sdpa-flash", "flex", "sdpa-cudnn")}
+
+
 def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras: Sequence[str] = ()) -> str:
-    """One row per point, one column per provider (the metric), then ours' ratio to the best peer (any
-    provider not named ``ours*``) and ours' fraction of the ceiling."""
+    """One row per point, one column per provider (the metric), ours' ratio to each of the family's
+    ``RATIO_PEERS`` present, then ours' ratio to the best peer (any provider not named ``ours*``) and ours'
+    fraction of the ceiling."""
     metric = _metric(records)
     unit = "GB/s" if metric == "gbps" else "TFLOP/s"
     shape_keys = _shape_keys(records, set(extras))
@@ -246,7 +252,9 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         f"{'smoke mode: these timings mean nothing' if SMOKE else 'CUDA events, median, L2 flushed'}.",
         "",
     ]
-    head = ["direction", "dtype", *shape_keys, *providers, "ours / best peer", "ours / ceiling"]
+    ratio_peers = [p for p in RATIO_PEERS.get(family.split("-")[0], ()) if p in providers]
+    head = ["direction", "dtype", *shape_keys, *providers, *(f"ours / {p}" for p in ratio_peers), "ours / best peer",
+            "ours / ceiling"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for point in sorted(rows, key=lambda p: tuple((str(type(v)), v) for v in p)):
@@ -255,9 +263,12 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         for prov in providers:
             rec = by_provider.get(prov)
             cells.append(f"{rec[metric]:.1f}" if rec else "–")
+        ours = by_provider.get("ours")
+        for prov in ratio_peers:
+            rec = by_provider.get(prov)
+            cells.append(f"{ours[metric] / rec[metric]:.3f}x" if ours and rec else "–")
         # Variants of ours (e.g. "ours-full-causal", a reference point) are not peers.
         peers = [rec[metric] for prov, rec in by_provider.items() if not prov.startswith("ours")]
-        ours = by_provider.get("ours")
         if ours and peers:
             cells.append(f"{ours[metric] / max(peers):.2f}x")
         else:

@@ -51,6 +51,18 @@ def test_markdown_table_has_one_row_per_point_and_ratio_to_best_peer():
     assert "saved_bytes_per_element" not in header
 
 
+def test_markdown_table_has_a_ratio_column_for_each_named_peer(monkeypatch):
+    import benchmarks._harness as harness
+
+    rec = _recorder()
+    monkeypatch.setitem(harness.RATIO_PEERS, "toy", ("torch.compile", "absent-peer"))
+    table = markdown_table("toy-variant", rec.records, rec.ceilings, extras=("saved_bytes_per_element",))
+    header = next(line for line in table.splitlines() if line.startswith("| direction"))
+    assert header.split(" | ")[6:8] == ["ours / torch.compile", "ours / best peer"]  # no column for absent peers
+    # ours 1000 GB/s, torch.compile 250 GB/s, best peer (torch) 500 GB/s
+    assert "| 4.000x | 2.00x | 100% |" in next(line for line in table.splitlines() if line.startswith("| fwd"))
+
+
 def test_write_results_writes_json_markdown_plot_and_ceilings(tmp_path):
     rec = _recorder()
     paths = write_results(rec, out_dir=tmp_path)
