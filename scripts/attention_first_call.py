@@ -1,0 +1,51 @@
+"""How long a process's first attention call takes: compiling (empty Triton cache), loading from Triton's disk
+cache (a later process), and a warm call. The launch tables are fixed (no autotuning), so the first call
+pays only for compiling the kernels its shape needs, once per machine.
+
+    PYTHONPATH=$PWD python3 scripts/attention_first_call.py
+
+Each case (head dim, causal) runs in two fresh processes sharing one new ``TRITON_CACHE_DIR``: the first
+compiles, the second finds the kernels on disk. A case times forward + backward (synchronised) of
+B = 4, H = 16, S = 4096, fp16: the first call, then the second call in the same process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+CASE = """
+import time, torch
+from kernels.attention import flash_attention
+d, causal = {d}, {causal}
+q, k, v = (torch.randn(4, 2048 // d, 4096, d, device="cuda", dtype=torch.float16, requires_grad=True)
+           for _ in range(3))
+times = []
+for _ in range(2):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    flash_attention(q, k, v, causal=causal).sum().backward()
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - start)
+print(f"{{times[0]:.3f}} {{times[1] * 1e3:.2f}}")
+"""
+
+
+def main() -> None:
+    print("first call (s) and second call (ms) of forward + backward, B=4 H*D=2048 S=4096 fp16, per process")
+    for d in (64, 128):
+        for causal in (False, True):
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TRITON_CACHE_DIR": cache}
+                cells = []
+                for label in ("compile", "disk cache"):
+                    out = subprocess.run([sys.executable, "-c", CASE.format(d=d, causal=causal)], env=env,
+                                         capture_output=True, text=True, check=True).stdout.split()
+                    cells.append(f"{label}: first {float(out[0]):6.2f} s, second {float(out[1]):6.2f} ms")
+                print(f"D={d:3d} causal={causal!s:5s}  " + "  |  ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
