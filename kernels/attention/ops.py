@@ -86,8 +86,9 @@ _LONG_SEQ_CONFIGS = {"fwd": {64: (128, 64, 8, 3)}}
 # Full attention (no band edge) over Sq >= _FULL_SEQ queries, forward: larger query blocks, so that each K/V tile
 # read from L2 serves more rows (a 64-row block at D = 128 needs ~6 TB/s of L2 reads at 400 TFLOP/s). Same
 # record: D = 64 (128, 64, 8, 3) +4 to +6% at S = 1024 and +2 to +5% at 4096 over (64, 64, 4, 3); D = 128
-# (256, 64, 16 warps, 3) +9 to +10% at S = 1024, +2 to +3% at 4096 and +3 to +4% at 16384 over the entries below
-# (causal: -3 to -12%, not used there). Below _FULL_SEQ the big blocks would mostly hold padding rows.
+# (256, 64, 16 warps, 3) +9 to +10% at S = 1024, +2 to +3% at 4096 and +3 to +4% at 16384 over the tiles it
+# replaced ((64, 64, 4, 3) at S = 1024, _CONFIGS above). Causal lost 3 to 12% with it and keeps those tiles.
+# Below _FULL_SEQ the big blocks would mostly hold padding rows.
 _FULL_SEQ = 1024
 _FULL_SEQ_CONFIGS = {"fwd": {64: (128, 64, 8, 3), 128: (256, 64, 16, 3)}}
 # Full attention, dQ at D = 64 with 4 warps, so that it shares one launch with dK/dV: +5%, +8%, +1% at S = 1024,
