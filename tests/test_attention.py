@@ -604,6 +604,10 @@ def test_sequence_length_tables():
         for sq in (ops._FULL_SEQ, 16384):
             assert ops._config("fwd", d, torch.float16, -1, -1, sq)["BLOCK_M"] == block_m
         assert ops._config("fwd", d, torch.float32, -1, -1, 16384) == ops._config("fwd", d, torch.float32)
+        # dropout keeps the tiles its GPU tests run (the large blocks were measured without it)
+        for right in (-1, 0):
+            assert ops._config("fwd", d, torch.float16, -1, right, 16384, dropout=True) == ops._config("fwd", d,
+                                                                                                      torch.float16)
     assert ops._config("fwd", 64, torch.float32, -1, -1, ops._LONG_SEQ + 1) == ops._config("fwd", 64, torch.float32)
     assert ops._config("dkdv", 64, torch.float16, -1, 0, 16)["BLOCK_N"] == 64  # short causal: small tiles
     assert ops._config("dkdv", 64, torch.float16, -1, -1, 16) == ops._config("dkdv", 64, torch.float16)

@@ -107,9 +107,12 @@ def _block_d(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def _config(kernel: str, d: int, dtype: torch.dtype, left: int = -1, right: int = -1, sq: int | None = None) -> dict:
+def _config(kernel: str, d: int, dtype: torch.dtype, left: int = -1, right: int = -1, sq: int | None = None,
+            dropout: bool = False) -> dict:
     """Launch parameters of ``kernel`` ("fwd", "dkdv" or "dq") for head dim ``d``, the band ``(left, right)``
-    of ``_band`` (-1: unbounded side) and ``sq`` queries (the longest sequence when packed; None: unknown)."""
+    of ``_band`` (-1: unbounded side) and ``sq`` queries (the longest sequence when packed; None: unknown).
+    A forward with ``dropout`` skips the large-query-block tables (_FULL_SEQ_CONFIGS, _LONG_SEQ_CONFIGS):
+    they were measured without dropout, and no GPU dropout test reaches their lengths."""
     block_d = _block_d(d)
     if block_d > 256:
         block_m, block_n, warps, stages = _WIDE_FP32_CONFIG if dtype == torch.float32 else _WIDE_CONFIGS[kernel]
@@ -120,10 +123,10 @@ def _config(kernel: str, d: int, dtype: torch.dtype, left: int = -1, right: int 
         short = sq is not None and sq <= _SHORT_SEQ
         tables = [
             (left >= 0 and right >= 0 and left + right + 1 <= _NARROW_BAND, _NARROW_BAND_CONFIGS),
-            (full and sq is not None and sq >= _FULL_SEQ, _FULL_SEQ_CONFIGS),
+            (not dropout and full and sq is not None and sq >= _FULL_SEQ, _FULL_SEQ_CONFIGS),
             (short, _SHORT_SEQ_CONFIGS),
             (short and not full, _SHORT_BAND_CONFIGS),
-            (sq is not None and sq > _LONG_SEQ, _LONG_SEQ_CONFIGS),
+            (not dropout and sq is not None and sq > _LONG_SEQ, _LONG_SEQ_CONFIGS),
             (full, _FULL_CONFIGS),
         ]
         entry = next((table[kernel][block_d] for applies, table in tables
@@ -276,7 +279,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
-    cfg = _config("fwd", d, q.dtype, left, right, sq)
+    cfg = _config("fwd", d, q.dtype, left, right, sq, dropout=dropout_p > 0)
     _launch_fwd(q, k, v, o, lse, left, right, scale, cfg, _dropout_args(dropout_p, seed), varlen, traceable=traceable)
     return o, lse
 
