@@ -350,9 +350,10 @@ def test_kernel_block_boundaries(monkeypatch, blocks, causal, sq, sk, window, la
 
     real_config = ops._config
 
-    def small_blocks(kernel, d, dtype, *band):
+    def small_blocks(kernel, d, dtype, *band, **options):
         block_m, block_n = blocks[::-1] if kernel == "dq" else blocks
-        return {**real_config(kernel, d, dtype, *band), "BLOCK_M": block_m, "BLOCK_N": block_n, "num_stages": 1}
+        return {**real_config(kernel, d, dtype, *band, **options), "BLOCK_M": block_m, "BLOCK_N": block_n,
+                "num_stages": 1}
 
     monkeypatch.setattr(ops, "_config", small_blocks)
     monkeypatch.setattr(ops, "_fusable", lambda dkdv_cfg, dq_cfg: launches == 1)
