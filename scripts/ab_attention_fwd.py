@@ -1,18 +1,17 @@
 # ruff: noqa: B023  (each lambda is timed inside the iteration that defines it)
-"""A/B timing of the attention forward: this checkout's kernel against a baseline ``_kernels.py``, and the
-D = 64 forward with 128-row query blocks at every length (``--tile-lead``), beside FlexAttention.
+"""A/B timing of the attention forward: this checkout's kernel against a baseline ``_kernels.py``, other
+candidate kernels, and forced launch tiles, beside FlexAttention.
 
     PYTHONPATH=$PWD python3 scripts/ab_attention_fwd.py BASELINE_KERNELS_PY [--rounds 7] [--dtypes float16]
-        [--lengths 1024,4096] [--tile-lead] [--also NAME=KERNELS_PY ...] [--tile BM,BN,WARPS,STAGES ...]
+        [--lengths 1024,4096] [--dims 64,128] [--also NAME=KERNELS_PY ...] [--tile BM,BN,WARPS,STAGES ...]
 
 e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py`` first. Every variant is the public
-``flash_attention`` call of the benchmark (same launcher, configs and grid); "base" swaps in the baseline
-jit kernel, "this+128" (D = 64 only) lowers ``ops._LONG_SEQ`` so that the long-sequence tile (128, 64, 8
-warps, 3 stages) runs at every length; ``--also`` adds more candidate kernels (each with its own "+128"
-variant under ``--tile-lead``); ``--tile`` adds this checkout's kernel with that forward tile forced for
-16-bit inputs at every length and mask. Variants alternate within each of ROUNDS rounds
-(``benchmarks._harness.interleaved_medians``); each prints TFLOP/s of its median and its ratio to "base".
-Points: the TARGETS table's (B * S = 16k tokens, H * D = 2048), causal and not.
+``flash_attention`` call of the benchmark (same launcher, configs and grid) with one attribute of ``ops``
+replaced for the call: "base" and each ``--also`` candidate swap in their jit kernel; each ``--tile`` forces
+that forward tile on this checkout's kernel for 16-bit inputs at every length and mask (``--tile 128,64,8,3
+--dims 64`` is the "this+128" variant of ``attention-fwd-ab-2026-11-22.txt``). Variants alternate within each
+of ROUNDS rounds (``benchmarks._harness.interleaved_medians``); each prints TFLOP/s of its median and its
+ratio to "base". Points: the TARGETS table's (B * S = 16k tokens, H * D = 2048), causal and not.
 """
 
 from __future__ import annotations
@@ -35,6 +34,33 @@ def _load(path: str, name: str = "baseline"):
     return module._attn_fwd_kernel
 
 
+def _patched(**attributes):
+    """``flash_attention`` with ``ops``' named attributes replaced for the call (and restored after it)."""
+    def run(q, k, v, causal):
+        saved = {name: getattr(ops, name) for name in attributes}
+        for name, value in attributes.items():
+            setattr(ops, name, value)
+        try:
+            return flash_attention(q, k, v, causal=causal)
+        finally:
+            for name, value in saved.items():
+                setattr(ops, name, value)
+    return run
+
+
+def _forced_tile(tile: str):
+    """``ops._config`` with the forward's (BLOCK_M, BLOCK_N, warps, stages) replaced for 16-bit inputs."""
+    block_m, block_n, warps, stages = (int(x) for x in tile.split(","))
+    table_config = ops._config
+
+    def config(kernel, d, dtype, *rest, **options):
+        cfg = table_config(kernel, d, dtype, *rest, **options)
+        if kernel == "fwd" and dtype != torch.float32 and cfg["BLOCK_D"] <= 256:
+            cfg.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        return cfg
+    return config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("baseline")
@@ -42,43 +68,15 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--lengths", default="1024,4096")
     ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--tile-lead", action="store_true")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=KERNELS_PY")
     ap.add_argument("--tile", action="append", default=[], metavar="BM,BN,WARPS,STAGES")
     args = ap.parse_args()
-    baseline, ours, long_seq = _load(args.baseline), ops._attn_fwd_kernel, ops._LONG_SEQ
-    candidates = {"this": ours}
+    variants = {"base": _patched(_attn_fwd_kernel=_load(args.baseline)), "this": _patched()}
     for spec in args.also:
         name, path = spec.split("=", 1)
-        candidates[name] = _load(path, name)
-
-    def variant(kernel, lowest_long_seq=long_seq):
-        def run(q, k, v, causal):
-            ops._attn_fwd_kernel, ops._LONG_SEQ = kernel, lowest_long_seq
-            try:
-                return flash_attention(q, k, v, causal=causal)
-            finally:
-                ops._attn_fwd_kernel, ops._LONG_SEQ = ours, long_seq
-        return run
-
-    table_config = ops._config
-
-    def forced(tile):
-        block_m, block_n, warps, stages = (int(x) for x in tile.split(","))
-
-        def config(kernel, d, dtype, *rest, **kw):
-            cfg = table_config(kernel, d, dtype, *rest, **kw)
-            if kernel == "fwd" and dtype != torch.float32 and cfg["BLOCK_D"] <= 256:
-                cfg.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-            return cfg
-
-        def run(q, k, v, causal):
-            ops._config = config
-            try:
-                return flash_attention(q, k, v, causal=causal)
-            finally:
-                ops._config = table_config
-        return run
+        variants[name] = _patched(_attn_fwd_kernel=_load(path, name))
+    for tile in args.tile:
+        variants[f"({tile})"] = _patched(_config=_forced_tile(tile))
 
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: forward TFLOP/s, median of {args.rounds} "
           f"alternating rounds")
@@ -88,13 +86,6 @@ def main() -> None:
                 b, h = 16384 // s, 2048 // d
                 q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
                 for causal in (False, True):
-                    variants = {"base": variant(baseline)}
-                    for name, kernel in candidates.items():
-                        variants[name] = variant(kernel)
-                        if args.tile_lead and d == 64 and s <= long_seq:
-                            variants[f"{name}+128"] = variant(kernel, 0)
-                    for tile in args.tile:
-                        variants[f"({tile})"] = forced(tile)
                     flex = _flex(s, causal)
                     reference = variants["base"](q, k, v, causal).float()
 
