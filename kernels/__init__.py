@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 
 
 def replace_modules(model, **kwargs):
-    """Swap ``nn.LayerNorm``/``nn.RMSNorm``/``nn.Dropout`` inside ``model`` for the fused ones, in place
+    """Make ``nn.LayerNorm``/``nn.RMSNorm``/``nn.Dropout`` inside ``model`` compute with the fused kernels,
+    in place, keeping every parameter, hook and tie; returns ``{name: torch class}`` of what it replaced
     (see :func:`kernels.swap.replace_modules`)."""
     from kernels.swap import replace_modules as _replace_modules
 

@@ -1,60 +1,66 @@
-"""``replace_modules``: swap torch's normalization and dropout modules for the fused ones, in place."""
+"""``replace_modules``: turn torch's normalization and dropout modules into the fused ones, in place.
+
+The fused modules subclass torch's and add nothing but ``forward`` (and a ``deterministic`` flag that
+defaults to False on the class), so the swap changes each module's class and nothing else: the module
+object, its ``Parameter`` objects (identity, ``requires_grad``, optimizer state, tying), its hooks, its
+parametrizations, its training flag and every place that refers to it stay as they were. A module shared
+by several parents is one object and is swapped once.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch.nn.utils import parametrize
 
 from kernels.dropout import Dropout
 from kernels.layernorm import LayerNorm, RMSNorm
 
-
-def _layer_norm_like(old: torch.nn.LayerNorm) -> LayerNorm:
-    param = old.weight if old.weight is not None else None
-    new = LayerNorm(old.normalized_shape, eps=old.eps, elementwise_affine=old.elementwise_affine,
-                    bias=old.bias is not None, device=param.device if param is not None else None,
-                    dtype=param.dtype if param is not None else None)
-    new.load_state_dict(old.state_dict())
-    return new
+_FUSED = {torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm, torch.nn.Dropout: Dropout}
 
 
-def _rms_norm_like(old: torch.nn.RMSNorm) -> RMSNorm:
-    param = old.weight
-    new = RMSNorm(old.normalized_shape, eps=old.eps, elementwise_affine=old.elementwise_affine,
-                  device=param.device if param is not None else None, dtype=param.dtype if param is not None else None)
-    new.load_state_dict(old.state_dict())
-    return new
+def _torch_class(module: torch.nn.Module) -> type | None:
+    """The torch class ``module`` is an instance of exactly, seeing through the class that parametrization
+    puts in between (``ParametrizedLayerNorm``, whose only base is ``nn.LayerNorm``); None for anything
+    else, subclasses of torch's modules included (they may override ``forward``)."""
+    cls = type(module)
+    if parametrize.is_parametrized(module):
+        cls = cls.__bases__[0]
+    return cls if cls in _FUSED else None
+
+
+def _swap_class(module: torch.nn.Module, fused: type) -> None:
+    if parametrize.is_parametrized(module):
+        # Parametrization keeps its properties on a class made for this one module: make the same class
+        # over the fused module (so ``remove_parametrizations`` later restores the fused class).
+        made = type(module)
+        namespace = {k: v for k, v in vars(made).items() if k not in ("__dict__", "__weakref__")}
+        module.__class__ = type(f"Parametrized{fused.__name__}", (fused,), namespace)
+    else:
+        module.__class__ = fused
 
 
 def replace_modules(model: torch.nn.Module, *, layer_norm: bool = True, rms_norm: bool = True,
-                    dropout: bool = True) -> torch.nn.Module:
-    """Replace every ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.Dropout`` inside ``model`` (in place) with
-    ``kernels.layernorm.LayerNorm`` / ``RMSNorm`` and ``kernels.dropout.Dropout``, keeping weights, device,
-    dtype and train/eval mode. Subclasses of torch's modules are left alone (they may override
-    ``forward``). Returns ``model``; if ``model`` itself is one of those modules, returns its replacement.
-    Attention has no module form here: call ``kernels.attention.flash_attention`` in the model's code.
+                    dropout: bool = True) -> dict[str, type]:
+    """Make every ``nn.LayerNorm``, ``nn.RMSNorm`` and ``nn.Dropout`` inside ``model`` (``model`` itself
+    included) compute with fused-kernels, in place.
+
+    Each module keeps its identity and state: the same ``Parameter`` objects (an optimizer built before the
+    call keeps working, frozen weights stay frozen, tied and shared modules stay tied), its hooks,
+    parametrizations and train/eval mode; only its class changes, to ``kernels.layernorm.LayerNorm`` /
+    ``RMSNorm`` or ``kernels.dropout.Dropout``, which subclass torch's, so ``isinstance`` checks, ``repr``
+    and ``state_dict`` are unchanged and a saved ``state_dict`` loads into the torch model and back.
+    Subclasses of torch's modules are left alone (they may override ``forward``). The keyword flags turn
+    a kind off. Attention has no module form here: call ``kernels.attention.flash_attention`` in the
+    model's code.
+
+    Returns what was replaced: ``{qualified name: torch class it had}``, one entry per module (a module
+    reachable under several names is listed under its first; ``""`` is ``model`` itself).
     """
-    swaps = []
-    if layer_norm:
-        swaps.append((torch.nn.LayerNorm, _layer_norm_like))
-    if rms_norm:
-        swaps.append((torch.nn.RMSNorm, _rms_norm_like))
-    if dropout:
-        swaps.append((torch.nn.Dropout, lambda old: Dropout(old.p, inplace=old.inplace)))
-
-    def replacement(module):
-        for cls, make in swaps:
-            if type(module) is cls:
-                new = make(module)
-                new.train(module.training)
-                return new
-        return None
-
-    root = replacement(model)
-    if root is not None:
-        return root
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            new = replacement(child)
-            if new is not None:
-                setattr(parent, name, new)
-    return model
+    wanted = {torch.nn.LayerNorm: layer_norm, torch.nn.RMSNorm: rms_norm, torch.nn.Dropout: dropout}
+    replaced: dict[str, type] = {}
+    for name, module in model.named_modules():  # each module object once, however often it is reached
+        cls = _torch_class(module)
+        if cls is not None and wanted[cls]:
+            _swap_class(module, _FUSED[cls])
+            replaced[name] = cls
+    return replaced

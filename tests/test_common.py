@@ -185,7 +185,7 @@ def test_cpu_tensors_without_the_interpreter_run_the_twins():
         "y = layer_norm(xg, 50)\n"
         "torch.testing.assert_close(y, F.layer_norm(x, (50,)))\n"
         "y.sum().backward()\n"
-        "torch.testing.assert_close(rms_norm(x, 50), F.rms_norm(x, (50,), eps=1e-6))\n",
+        "torch.testing.assert_close(rms_norm(x, 50), F.rms_norm(x, (50,)))\n",
         TRITON_INTERPRET="0",
     )
 

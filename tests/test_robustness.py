@@ -107,6 +107,12 @@ BAD_INPUTS = [
      r"seed must be None or an int, got str"),
     ("attention window not a pair", lambda: flash_attention(*_qkv(), window_size=3), TypeError,
      r"window_size must be a pair of ints \(left, right\), got 3"),
+    ("attention window float", lambda: flash_attention(*_qkv(), window_size=(2.7, 0)), TypeError,
+     r"window_size must be a pair of ints \(left, right\), got \(2\.7, 0\)"),
+    ("attention window bool", lambda: flash_attention(*_qkv(), window_size=(True, 0)), TypeError,
+     r"window_size must be a pair of ints \(left, right\), got \(True, 0\)"),
+    ("attention window triple", lambda: flash_attention(*_qkv(), window_size=(1, 2, 3)), TypeError,
+     r"window_size must be a pair of ints"),
     ("attention window < -1", lambda: flash_attention(*_qkv(), window_size=(-2, 0)), ValueError,
      r"window_size entries must be >= 0, or -1 for unbounded"),
     ("attention softmax_scale NaN", lambda: flash_attention(*_qkv(), softmax_scale=float("nan")), ValueError,
@@ -152,7 +158,7 @@ def test_norm_empty_and_single_row(norm, shape, n):
         expected = F.layer_norm(x.detach(), (n,), w.detach(), b.detach())
     else:
         y, params = rms_norm(x, n, w), (x, w)
-        expected = F.rms_norm(x.detach(), (n,), w.detach(), 1e-6)
+        expected = F.rms_norm(x.detach(), (n,), w.detach())
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     grads = torch.autograd.grad(y.sum(), params)
     for g, p in zip(grads, params, strict=True):
@@ -219,7 +225,7 @@ def test_norm_nan_and_inf_stay_in_their_row(norm, bad, n):
 
     def run(t):
         t = t.clone().requires_grad_(True)
-        y = layer_norm(t, n, w, b) if norm == "layer" else rms_norm(t, n, w)
+        y = layer_norm(t, n, w, b) if norm == "layer" else rms_norm(t, n, w, 1e-6)
         (dx,) = torch.autograd.grad(y, t, torch.ones_like(y))
         return y.detach(), dx
 
@@ -311,7 +317,7 @@ def test_norm_past_two_to_the_31_elements(norm):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    y = layer_norm(x, n, w) if norm == "layer" else rms_norm(x, n, w)
+    y = layer_norm(x, n, w) if norm == "layer" else rms_norm(x, n, w, 1e-6)
     dy = torch.ones_like(y)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     for rows in (slice(0, 3), slice(2**21 - 2, 2**21 + 3)):

@@ -11,7 +11,7 @@ from kernels._common.launch import (
     nothing_to_launch,
     unused_pointer,
 )
-from kernels._common.runtime import INTERPRETER, backend_for, interpreter_requested, is_fake
+from kernels._common.runtime import INTERPRETER, backend_for, cpu_runs_reference, interpreter_requested, is_fake
 from kernels._common.seed import Seed, device_seed, draw_seed, seed_for_call, splitmix64
 from kernels._common.validate import (
     FLOAT_DTYPES,
@@ -41,6 +41,7 @@ __all__ = [
     "check_same_device",
     "check_seed",
     "check_tensor",
+    "cpu_runs_reference",
     "device_seed",
     "draw_seed",
     "interpreter_requested",

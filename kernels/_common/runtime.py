@@ -1,14 +1,15 @@
 """Where a kernel runs: the Triton interpreter switch and the device dispatch rule.
 
-The rule (DESIGN.md): CUDA tensors run the Triton kernels; CPU tensors run the Triton kernels under the
+The rule: CUDA tensors run the Triton kernels; CPU tensors run the Triton kernels under the
 Triton interpreter when ``TRITON_INTERPRET=1`` was set before the kernels were imported, and otherwise run
 the pure-PyTorch twin from ``reference/``; any other device is an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
 import torch
@@ -30,17 +31,33 @@ INTERPRETER: bool = interpreter_requested()
 Backend = Literal["triton", "reference"]
 
 
+# What CPU tensors run; changed only inside ``cpu_runs_reference``.
+_cpu_backend: Backend = "triton" if INTERPRETER else "reference"
+
+
 def backend_for(x: torch.Tensor) -> Backend:
     """Which implementation runs for a tensor on ``x.device`` (see the module docstring)."""
     kind = x.device.type
     if kind == "cuda":
         return "triton"
     if kind == "cpu":
-        return "triton" if INTERPRETER else "reference"
+        return _cpu_backend
     raise ValueError(
         f"fused-kernels runs on CUDA tensors (or CPU tensors through the Triton interpreter or the "
         f"reference twin); got a tensor on device {x.device}"
     )
+
+
+@contextlib.contextmanager
+def cpu_runs_reference() -> Iterator[None]:
+    """Inside this block CPU tensors run the reference twin even when the interpreter is on: the path a
+    CPU user without ``TRITON_INTERPRET`` takes, so one test process can check both CPU paths."""
+    global _cpu_backend
+    saved, _cpu_backend = _cpu_backend, "reference"
+    try:
+        yield
+    finally:
+        _cpu_backend = saved
 
 
 def is_fake(t: torch.Tensor) -> bool:

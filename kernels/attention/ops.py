@@ -11,6 +11,7 @@ Launch configurations come from tables by head dim and dtype (``_CONFIGS`` and b
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch.library import triton_op
@@ -437,7 +438,11 @@ def _scale(softmax_scale, head_dim: int) -> float:
 def _window(window_size, causal: bool) -> tuple[int, int]:
     """``(left, right)`` of the visible band, causal folded in (``right = 0``); -1 is unbounded."""
     try:
-        left, right = (int(w) for w in window_size)
+        left, right = window_size
+        if isinstance(left, bool) or isinstance(right, bool):
+            raise TypeError
+        # operator.index takes ints (numpy's too) and refuses floats: 2.7 must not become 2.
+        left, right = operator.index(left), operator.index(right)
     except (TypeError, ValueError):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
     if left < -1 or right < -1:

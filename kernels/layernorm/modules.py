@@ -1,85 +1,55 @@
-"""``torch.nn.Module`` drop-ins for LayerNorm and RMSNorm: same constructor arguments, parameters and
-``state_dict`` keys as ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``, so a torch model's weights load
-unchanged."""
+"""``torch.nn.Module`` drop-ins for LayerNorm and RMSNorm.
+
+Each subclasses torch's module and overrides only ``forward``: the constructor, the parameters, the
+``state_dict`` keys, ``reset_parameters``, ``extra_repr`` and ``isinstance`` checks are torch's, so a
+model's weights load unchanged in either direction, code that finds norms by type still finds these, and
+``kernels.replace_modules`` can turn a torch module into one of these in place.
+"""
 
 from __future__ import annotations
-
-import numbers
 
 import torch
 
 from kernels.layernorm.ops import layer_norm, rms_norm
 
 
-def _as_shape(normalized_shape) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral):
-        return (int(normalized_shape),)
-    return tuple(normalized_shape)
-
-
-class LayerNorm(torch.nn.Module):
-    """Drop-in for ``torch.nn.LayerNorm(normalized_shape, eps, elementwise_affine, bias, device, dtype)``.
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device, dtype)``
+    computed by the fused kernels.
 
     ``deterministic=True`` (keyword only) makes the weight and bias gradients bitwise reproducible.
     """
 
+    #: a class default, so a torch module switched to this class in place has it too
+    deterministic: bool = False
+
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None, *, deterministic: bool = False) -> None:
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.normalized_shape = _as_shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.deterministic = deterministic
-        if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            if bias:
-                self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            torch.nn.init.ones_(self.weight)
-        if self.bias is not None:
-            torch.nn.init.zeros_(self.bias)
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, bias=bias,
+                         device=device, dtype=dtype)
+        if deterministic:
+            self.deterministic = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
                           deterministic=self.deterministic)
 
-    def extra_repr(self) -> str:
-        return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-                f"bias={self.bias is not None}")
 
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm(normalized_shape, eps=None, elementwise_affine=True, device, dtype)`` computed by the
+    fused kernels; ``eps=None`` follows torch's rule (see :func:`kernels.layernorm.rms_norm`).
 
-class RMSNorm(torch.nn.Module):
-    """Drop-in for ``torch.nn.RMSNorm(normalized_shape, eps=None, elementwise_affine, device, dtype)``;
-    ``eps=None`` uses ``torch.finfo(x.dtype).eps`` as torch does."""
+    ``deterministic=True`` (keyword only) makes the weight gradient bitwise reproducible.
+    """
+
+    deterministic: bool = False
 
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
                  dtype=None, *, deterministic: bool = False) -> None:
-        super().__init__()
-        self.normalized_shape = _as_shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.deterministic = deterministic
-        if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            torch.nn.init.ones_(self.weight)
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, device=device,
+                         dtype=dtype)
+        if deterministic:
+            self.deterministic = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.normalized_shape, self.weight, self.eps, deterministic=self.deterministic)
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

@@ -155,7 +155,10 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, traceable=False):
     is contiguous), ``mean``/``rstd`` are fp32 of M = x.numel() / n (``mean`` is empty for RMSNorm)."""
     n = x.shape[-1] if n is None else n
     if backend_for(x) == "reference":
+        # the twin takes rows and flat parameters: a (4, 6) normalized_shape is rows of 24
         x2 = x.reshape(-1, n)
+        weight = None if weight is None else weight.reshape(-1)
+        bias = None if bias is None else bias.reshape(-1)
         if is_rms:
             y, rstd = twin.rms_norm_forward(x2, weight, eps)
             return y.reshape(x.shape), torch.empty(0, device=x.device, dtype=torch.float32), rstd
@@ -370,13 +373,17 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = 
     return _norm(x, shape, n, weight, bias, eps, False, deterministic)
 
 
-def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None, eps: float | None = 1e-6, *,
+def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None, eps: float | None = None, *,
              deterministic: bool = False) -> torch.Tensor:
-    """Fused RMSNorm over the trailing ``normalized_shape`` dims, like ``torch.nn.functional.rms_norm``
-    (``eps=None`` means ``torch.finfo(x.dtype).eps``, as torch)."""
+    """Fused RMSNorm over the trailing ``normalized_shape`` dims, like ``torch.nn.functional.rms_norm``.
+
+    ``eps=None`` (the default, as torch's) follows torch's rule: the machine epsilon of the type the norm
+    computes in, ``torch.finfo(torch.float32).eps`` for fp16, bf16 and fp32 inputs (not
+    ``torch.finfo(x.dtype).eps``, which torch's documentation suggests but its code does not use).
+    Statistics in fp32; under ``torch.autocast`` on CUDA it runs in fp32, as torch's does.
+    ``deterministic=True`` makes dW bitwise reproducible.
+    """
     if isinstance(x, torch.Tensor):
         x, weight = autocast_cast("rms_norm", x, weight)
     shape, n = _check(x, normalized_shape, weight, None)
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
-    return _norm(x, shape, n, weight, None, eps, True, deterministic)
+    return _norm(x, shape, n, weight, None, twin.rms_norm_eps(eps, x.dtype), True, deterministic)
