@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tests._mode import INTERPRETER
+from kernels._mode import INTERPRETER
 
 SMOKE: bool = INTERPRETER
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
@@ -219,7 +219,7 @@ def _metric(records: list[dict]) -> str:
 
 
 #: Peers whose ratio gets a column of its own in a family's table (keyed by the family name's first word): the
-#: ones its targets name (TARGETS.md), beside the ratio to the best peer.
+#: peers the family's speed targets are stated against, beside the ratio to the best peer.
 RATIO_PEERS: dict[str, tuple[str, ...]] = {"attention": ("sdpa-flash", "flex", "sdpa-cudnn")}
 
 

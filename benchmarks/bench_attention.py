@@ -1,6 +1,6 @@
 """Attention benchmarks: ours vs SDPA's flash, cuDNN and efficient backends (each forced with
 ``sdpa_kernel``) and FlexAttention (``torch.compile(flex_attention)``, causal through a block mask). Points
-of TARGETS.md: B * S = 16k tokens, H * D = 2048, D in {64, 128}, S in {1024, 4096, 16384}, causal on/off,
+(the family's target table): B * S = 16k tokens, H * D = 2048, D in {64, 128}, S in {1024, 4096, 16384}, causal on/off,
 fp16 and bf16; the providers of a point run in alternating rounds (``measure_interleaved``).
 
 FLOPs: forward 4 * B * H * Sq * Sk * D (halved when causal), backward 2.5x the forward.
@@ -16,8 +16,8 @@ import torch
 
 from benchmarks._harness import SMOKE
 from benchmarks._peers import sdpa_attention
+from kernels._mode import DEVICE
 from kernels.attention import flash_attention, flash_attention_varlen
-from tests._mode import DEVICE
 
 PROVIDERS = ["ours", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]
 #: Alternating rounds per point (``FUSED_KERNELS_BENCH_ROUNDS``): the table's ratios are of medians over them.

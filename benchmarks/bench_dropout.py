@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._harness import SMOKE
+from kernels._mode import DEVICE
 from kernels.dropout import dropout
-from tests._mode import DEVICE
 
 P = 0.5
 PROVIDERS = ["ours", "torch", "torch.compile"]

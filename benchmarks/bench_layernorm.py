@@ -1,6 +1,6 @@
 """LayerNorm / RMSNorm benchmarks, forward and backward separately.
 
-Two sweeps (TARGETS.md):
+Two sweeps (the family's speed targets are stated on both):
 - ``classic``: M = 4096 rows, N = 1024 ... 16384, fp16 and bf16, providers ours, torch, torch.compile,
   apex ``FusedLayerNorm``/``FusedRMSNorm`` (when ``import apex`` works; build it from source with its
   ``--cpp_ext --cuda_ext`` options), Liger (when ``liger_kernel`` imports).
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._harness import SMOKE
+from kernels._mode import DEVICE
 from kernels.layernorm import layer_norm, rms_norm
-from tests._mode import DEVICE
 
 PROVIDERS = ["ours", "torch", "torch.compile", "apex", "liger"]
 LN_EPS, RMS_EPS = 1e-5, 1e-6

@@ -11,8 +11,8 @@ import statistics
 
 import pytest
 
+import kernels._mode  # noqa: F401  (chooses CUDA or the interpreter before triton is imported)
 from benchmarks import _harness
-from tests import _mode  # noqa: F401  (chooses CUDA or the interpreter before triton is imported)
 
 _STATE: dict = {}
 

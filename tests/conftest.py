@@ -1,4 +1,4 @@
-"""Shared test setup: the mode (CUDA or interpreter) is chosen in ``tests/_mode.py`` before triton is
+"""Shared test setup: the mode (CUDA or interpreter) is chosen in ``kernels/_mode.py`` before triton is
 imported; this file exposes it as fixtures and skips ``cuda``-marked tests in interpreter mode."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from tests import _mode  # noqa: F401  (must run before anything imports triton)
-from tests._mode import DEVICE, INTERPRETER, MODE
+import kernels._mode  # noqa: F401  (must run before anything imports triton)
+from kernels._mode import DEVICE, INTERPRETER, MODE
 
 
 def pytest_report_header(config):

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import reference.attention as twin
+from kernels._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
 from kernels.attention import flash_attention, flash_attention_varlen
-from tests._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
 from tests._numerics import assert_no_worse_than_torch
 
 F64 = torch.float64
@@ -149,7 +149,7 @@ KERNEL_CASES = by_mode(
     cuda=[(b, hq, hkv, sq, sk, d) for (b, hq, hkv) in ((2, 4, 4), (1, 4, 1)) for (sq, sk) in
           ((1, 1), (17, 17), (128, 128), (200, 200), (1000, 1000), (200, 77), (77, 1000))
           for d in (16, 40, 64, 80, 128, 256)]
-    # from ops._FULL_SEQ queries on, full attention takes larger query blocks (256 rows at D = 128)
+    # from 1024 queries on, full attention takes larger query blocks (256 rows at D = 128)
     + [(1, 2, 1, 1100, 1100, 64), (1, 2, 1, 1100, 1100, 96), (1, 2, 2, 1024, 1500, 128), (2, 2, 2, 1300, 777, 128)],
 )
 ATTN_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
@@ -253,15 +253,16 @@ def test_kernel_rows_that_see_no_key():
 @pytest.mark.skipif(INTERPRETER, reason="a fault of compiled code; the interpreter runs the kernel as Python")
 @pytest.mark.parametrize("table", ["long-sequence", "short-sequence"])
 @pytest.mark.parametrize("d", [80, 96])
-def test_kernel_one_query_one_key_is_right_on_every_launch(monkeypatch, d, table):
+def test_kernel_one_query_one_key_is_right_on_every_launch(d, table):
     """Regression: Triton 3.6 miscompiled the forward specialised to Sq = Sk = 1 (causal, D = 80 or 96, the
     long-sequence table's (128, 64, 8 warps, 3 stages)): 1 launch in 6 or 7 wrote a wrong log-sum-exp on the
     H200. With one key, o = v whatever the lse, so only dV (= P dO = dO) and the lse show it; 200 launches
     miss it with probability ~1e-14. Both launch tables run (Sq = 1 normally takes the short one)."""
-    import kernels.attention.ops as ops
+    from kernels.attention import configs
 
-    if table == "long-sequence":
-        monkeypatch.setattr(ops, "_SHORT_SEQ", 0)
+    def long_tiles(query, tile):
+        return configs.lookup(query._replace(sq=2048)).tile if table == "long-sequence" else tile
+
     q, k, v = (t.to(DEVICE, torch.float16) for t in _qkv(2, 4, 4, 1, 1, d, dtype=torch.float32))
     do = torch.randn_like(q)
     expected_lse = (q.float() @ k.float().transpose(-1, -2)).squeeze(-1) / math.sqrt(d)
@@ -269,8 +270,9 @@ def test_kernel_one_query_one_key_is_right_on_every_launch(monkeypatch, d, table
     v.requires_grad_(True)
     wrong = 0
     for _ in range(200):
-        o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
-        (dv,) = torch.autograd.grad(o, v, do)
+        with configs.override(long_tiles):  # long-sequence: the tiles of a 2048-query call
+            o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+            (dv,) = torch.autograd.grad(o, v, do)
         wrong += not (torch.allclose(lse, expected_lse, rtol=1e-3, atol=1e-3) and torch.equal(dv, do))
     assert wrong == 0, f"{wrong} of 200 launches wrong"
 
@@ -343,20 +345,20 @@ def test_kernel_long_sequence_and_large_head_dim():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("sq", "sk"), [(70, 45), (45, 70), (64, 64)], ids=str)
 @pytest.mark.parametrize("launches", [1, 2])
-def test_kernel_block_boundaries(monkeypatch, blocks, causal, sq, sk, window, launches):
+def test_kernel_block_boundaries(blocks, causal, sq, sk, window, launches):
     """Small blocks, so the masked/unmasked split of every loop (both edges of the band, the tails of Sq
     and Sk) is crossed; the backward as one launch (dK/dV and dQ programs with different blocks) or two."""
-    import kernels.attention.ops as ops
+    from kernels.attention import configs
 
-    real_config = ops._config
+    def small_blocks(query, tile):
+        block_m, block_n = blocks[::-1] if query.kernel == "dq" else blocks
+        return tile._replace(block_m=block_m, block_n=block_n, num_stages=1)
 
-    def small_blocks(kernel, d, dtype, *band, **options):
-        block_m, block_n = blocks[::-1] if kernel == "dq" else blocks
-        return {**real_config(kernel, d, dtype, *band, **options), "BLOCK_M": block_m, "BLOCK_N": block_n,
-                "num_stages": 1}
+    with configs.override(small_blocks, fuse=launches == 1):
+        _check_small_blocks(causal, sq, sk, window)
 
-    monkeypatch.setattr(ops, "_config", small_blocks)
-    monkeypatch.setattr(ops, "_fusable", lambda dkdv_cfg, dq_cfg: launches == 1)
+
+def _check_small_blocks(causal, sq, sk, window):
     q, k, v = (t.to(DEVICE) for t in _qkv(1, 2, 1, sq, sk, 16, dtype=torch.float32))
     do = torch.randn_like(q)
     kw = {"causal": causal, "window_size": window}
@@ -571,56 +573,75 @@ def test_torch_compile_fullgraph_matches_eager():
             torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)  # a different dropout mask would be O(1) off
 
 
-def test_narrow_band_launch_table_applies_only_to_short_bounded_bands():
-    import kernels.attention.ops as ops
+def test_every_query_finds_a_launch_row_and_every_row_is_reachable():
+    from kernels.attention import configs
 
-    wide = ops._config("fwd", 128, torch.float16)
-    assert ops._config("fwd", 128, torch.float16, 1024, 0)["BLOCK_M"] == ops._NARROW_BAND_CONFIGS["fwd"][128][0]
-    assert ops._config("fwd", 128, torch.float16, 4096, 0) == wide  # a long band is full attention's case
-    assert ops._config("fwd", 128, torch.float16, 1024, -1) == wide  # one side unbounded
-    assert ops._config("fwd", 128, torch.float32, 1024, 0) == ops._config("fwd", 128, torch.float32)
-
-
-def test_short_sequence_forward_table():
-    import kernels.attention.ops as ops
-
-    long = ops._config("fwd", 128, torch.float16, -1, 0)
-    assert ops._config("fwd", 128, torch.bfloat16, -1, 0, ops._SHORT_SEQ)["BLOCK_M"] == 64
-    assert ops._config("fwd", 128, torch.bfloat16, -1, -1, ops._FULL_SEQ - 1)["BLOCK_M"] == 64
-    assert ops._config("fwd", 128, torch.float16, -1, 0, ops._SHORT_SEQ + 1) == long
-    assert ops._config("fwd", 128, torch.float32, -1, -1, 16) == ops._config("fwd", 128, torch.float32)
-    assert ops._config("dq", 128, torch.float16, -1, -1, 16) == ops._config("dq", 128, torch.float16)
-    assert ops._config("fwd", 64, torch.float16, -1, 0, 16) == ops._config("fwd", 64, torch.float16, -1, 0)
+    used = set()
+    for kernel in ("fwd", "dkdv", "dq"):
+        for d in (16, 32, 40, 64, 96, 128, 256, 512, 1024):
+            for dtype in (torch.float16, torch.float32):
+                for left, right in ((-1, -1), (-1, 0), (0, -1), (100, 27), (1024, 1024), (4096, 0)):
+                    for sq in (1, 512, 1024, 1025, 4096):
+                        for dropout in (False, True):
+                            used.add(configs.lookup(configs.query(kernel, d, dtype, left, right, sq, dropout)))
+    unreachable = [row for row in configs.ROWS if row not in used]
+    assert not unreachable, unreachable
+    assert all(row.why for row in configs.ROWS)
 
 
-def test_sequence_length_tables():
-    import kernels.attention.ops as ops
+def _tile(kernel, d, dtype, left=-1, right=-1, sq=4096, dropout=False):
+    from kernels.attention import configs
 
-    short_causal = ops._config("fwd", 64, torch.float16, -1, 0, ops._LONG_SEQ)
-    assert short_causal["BLOCK_M"] == ops._CONFIGS["fwd"][64][0] == 64
-    assert ops._config("fwd", 64, torch.float16, -1, 0, ops._LONG_SEQ + 1)["BLOCK_M"] == 128
-    # full attention over long enough sequences: larger query blocks from _FULL_SEQ on, at any length above
-    for d, block_m in ((64, 128), (128, 256)):
-        assert ops._config("fwd", d, torch.bfloat16, -1, -1, ops._FULL_SEQ - 1)["BLOCK_M"] == 64
-        for sq in (ops._FULL_SEQ, 16384):
-            assert ops._config("fwd", d, torch.float16, -1, -1, sq)["BLOCK_M"] == block_m
-        assert ops._config("fwd", d, torch.float32, -1, -1, 16384) == ops._config("fwd", d, torch.float32)
-        # dropout keeps the tiles its GPU tests run (the large blocks were measured without it)
-        for right in (-1, 0):
-            assert ops._config("fwd", d, torch.float16, -1, right, 16384, dropout=True) == ops._config("fwd", d,
-                                                                                                      torch.float16)
-    assert ops._config("fwd", 64, torch.float32, -1, -1, ops._LONG_SEQ + 1) == ops._config("fwd", 64, torch.float32)
-    assert ops._config("dkdv", 64, torch.float16, -1, 0, 16)["BLOCK_N"] == 64  # short causal: small tiles
-    assert ops._config("dkdv", 64, torch.float16, -1, -1, 16) == ops._config("dkdv", 64, torch.float16)
+    return configs.tile(configs.query(kernel, d, dtype, left, right, sq, dropout))
+
+
+def test_narrow_band_rows_apply_only_to_short_bounded_bands():
+    causal = _tile("fwd", 128, torch.float16, -1, 0)
+    assert _tile("fwd", 128, torch.float16, 1024, 0).block_m == 64
+    assert _tile("fwd", 128, torch.float16, 4096, 0) == causal  # a long band is a plain band
+    assert _tile("fwd", 128, torch.float16, 1024, -1) == causal  # one side unbounded
+    assert _tile("fwd", 128, torch.float32, 1024, 0) == _tile("fwd", 128, torch.float32)
+
+
+def test_sequence_length_rows():
+    from kernels.attention import configs
+
+    for dtype in (torch.float16, torch.bfloat16):
+        # D = 128: 64-row forward blocks up to 1024 queries, then 128 rows (band) or 256 (full, from 1024 on)
+        assert _tile("fwd", 128, dtype, -1, 0, 1024).block_m == 64
+        assert _tile("fwd", 128, dtype, -1, 0, 1025).block_m == 128
+        assert _tile("fwd", 128, dtype, -1, -1, 1023).block_m == 64
+        assert _tile("fwd", 128, dtype, -1, -1, 1024).block_m == _tile("fwd", 128, dtype, -1, -1, 16384).block_m == 256
+        # D = 64: 128-row forward blocks above 1024 queries (from 1024 on without a band)
+        assert _tile("fwd", 64, dtype, -1, 0, 1024).block_m == 64
+        assert _tile("fwd", 64, dtype, -1, 0, 1025).block_m == _tile("fwd", 64, dtype, -1, -1, 1024).block_m == 128
+        # dropout keeps the default tiles its GPU tests run (the large blocks were measured without it)
+        for d in (64, 128):
+            for right in (-1, 0):
+                assert configs.lookup(configs.query("fwd", d, dtype, -1, right, 16384, dropout=True)).why == "default"
+        assert _tile("dkdv", 64, dtype, -1, 0, 16).block_n == 64  # short causal: small tiles
+        assert _tile("dkdv", 64, dtype, -1, -1, 16) == _tile("dkdv", 64, dtype, -1, -1, 4096)
+    for sq in (16, 1025, 16384):  # fp32 has one tile per head dim
+        assert _tile("fwd", 64, torch.float32, -1, -1, sq) == _tile("fwd", 64, torch.float32, -1, 0, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_backward_launches_fused_where_the_tables_say(dtype):
-    import kernels.attention.ops as ops
+def test_backward_launches_fused_where_the_rows_say(dtype):
+    from kernels.attention import configs
 
-    def fused(d, right, sq):
-        return ops._fusable(*(ops._config(kernel, d, dtype, -1, right, sq) for kernel in ("dkdv", "dq")))
+    def fused(d, left, right, sq):
+        return configs.fuse_backward(*(configs.launch_config(k, d, dtype, left, right, sq) for k in ("dkdv", "dq")))
 
-    assert fused(128, -1, 4096) and fused(128, 0, 4096) and fused(64, -1, 4096)
-    assert fused(64, 0, ops._SHORT_SEQ) and not fused(64, 0, ops._SHORT_SEQ + 1)
-    assert not ops._fusable(*(ops._config(kernel, 128, dtype, 1024, 0) for kernel in ("dkdv", "dq")))  # narrow
+    assert fused(128, -1, -1, 4096) and fused(128, -1, 0, 4096) and fused(64, -1, -1, 4096)
+    assert fused(64, -1, 0, 1024) and not fused(64, -1, 0, 1025)
+    assert not fused(128, 1024, 0, 4096)  # narrow window: dK/dV at 4 warps, dQ at 8
+
+
+def test_override_changes_tiles_inside_the_block_only():
+    from kernels.attention import configs
+
+    before = _tile("fwd", 64, torch.float16)
+    with configs.override(lambda query, tile: tile._replace(block_m=16), fuse=False):
+        assert _tile("fwd", 64, torch.float16) == before._replace(block_m=16)
+        assert not configs.fuse_backward(*(configs.launch_config(k, 64, torch.float16) for k in ("dkdv", "dq")))
+    assert _tile("fwd", 64, torch.float16) == before

@@ -1,4 +1,4 @@
-"""Tests of kernels/_common: interpreter detection, the single-config autotune helper, the argument
+"""Tests of kernels/_common: interpreter detection, the argument
 checks and the seed source. They run in both modes and assert what each mode must do."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import triton.language as tl
 
 from kernels._common import (
     INTERPRETER,
-    autotune,
     backend_for,
     check_float_dtype,
     check_probability,
@@ -20,8 +19,8 @@ from kernels._common import (
     interpreter_requested,
     splitmix64,
 )
-from tests._mode import DEVICE
-from tests._mode import INTERPRETER as TEST_INTERPRETER
+from kernels._mode import DEVICE
+from kernels._mode import INTERPRETER as TEST_INTERPRETER
 
 
 @pytest.mark.parametrize(
@@ -58,44 +57,6 @@ def test_backend_dispatch_rule():
         assert backend_for(torch.empty(1, device="cuda")) == "triton"
     with pytest.raises(ValueError, match="device meta"):
         backend_for(torch.empty(1, device="meta"))
-
-
-_TUNED_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((16, 1), (64, 2), (128, 4))]
-
-
-@autotune(_TUNED_CONFIGS, key=["n"])
-@triton.jit
-def _tuned_scale_kernel(src_ptr, dst_ptr, n, factor, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask) * factor, mask=mask)
-
-
-def test_autotune_keeps_one_config_under_the_interpreter_and_all_on_gpu():
-    expected = 1 if INTERPRETER else len(_TUNED_CONFIGS)
-    assert len(_tuned_scale_kernel.configs) == expected
-
-
-def test_autotuned_kernel_runs_and_uses_the_first_config_under_the_interpreter():
-    src = torch.randn(1000, device=DEVICE)
-    dst = torch.full_like(src, float("nan"))
-    grid = lambda meta: (triton.cdiv(src.numel(), meta["BLOCK"]),)
-    _tuned_scale_kernel[grid](src, dst, src.numel(), 3.0)
-    torch.testing.assert_close(dst, src * 3.0)
-    if INTERPRETER:
-        assert _tuned_scale_kernel.best_config.kwargs == {"BLOCK": 16}
-    else:
-        assert _tuned_scale_kernel.best_config in _TUNED_CONFIGS
-
-
-def test_autotune_interpreter_override_and_explicit_interpreter_config():
-    chosen = triton.Config({"BLOCK": 64}, num_warps=2)
-    tuner = autotune(_TUNED_CONFIGS, key=["n"], interpreter=True, interpreter_config=chosen)(_copy_kernel)
-    assert tuner.configs == [chosen]
-    tuner = autotune(_TUNED_CONFIGS, key=["n"], interpreter=False)(_copy_kernel)
-    assert len(tuner.configs) == len(_TUNED_CONFIGS)
-    with pytest.raises(ValueError, match="at least one config"):
-        autotune([], key=["n"])
 
 
 def test_check_probability():
@@ -162,7 +123,7 @@ def _run_python(code: str, **env_overrides) -> None:
 
 
 def test_reference_never_imports_kernels_or_triton():
-    """The twins must not share code with the kernels (DESIGN.md's dependency rule)."""
+    """The twins must not share code with the kernels: a twin that shares code with the kernel proves nothing."""
     _run_python(
         "import sys, reference\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('kernels', 'triton'))\n"
@@ -171,7 +132,7 @@ def test_reference_never_imports_kernels_or_triton():
 
 
 def test_cpu_tensors_without_the_interpreter_run_the_twins():
-    """DESIGN.md: CPU tensors run the reference twin unless TRITON_INTERPRET=1 was set before import."""
+    """CPU tensors run the reference twin unless TRITON_INTERPRET=1 was set before import."""
     _run_python(
         "import torch, torch.nn.functional as F\n"
         "import reference.dropout as twin\n"

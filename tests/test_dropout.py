@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 import reference.dropout as twin
+from kernels._mode import DEVICE, FLOAT_DTYPES, by_mode
 from kernels.dropout import Dropout, dropout, keep_threshold, philox4x32
-from tests._mode import DEVICE, FLOAT_DTYPES, by_mode
 
 SHAPES = by_mode(
     interpreter=[(0,), (1,), (7,), (4096,), (4097,), (3, 1000), (2, 3, 5, 7)],

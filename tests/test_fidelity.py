@@ -21,10 +21,10 @@ import torch.nn.functional as F
 import reference.attention as attention_twin
 import reference.dropout as dropout_twin
 from kernels._common import cpu_runs_reference
+from kernels._mode import DEVICE, FLOAT_DTYPES
 from kernels.attention import flash_attention, flash_attention_varlen
 from kernels.dropout import Dropout, dropout
 from kernels.layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
-from tests._mode import DEVICE, FLOAT_DTYPES
 
 ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Paths a call can take: this mode's device path (CUDA kernels, or the interpreter on CPU) and the CPU

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from examples.gpt import GPT, GPTConfig, batches, fused_attention, load_corpus, torch_attention, train
+from kernels._mode import DEVICE, by_mode
 from kernels.dropout import Dropout
 from kernels.layernorm import LayerNorm
-from tests._mode import DEVICE, by_mode
 
 STEPS = 20
 SIZE = by_mode(interpreter={"seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32},

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels._mode import DEVICE, INTERPRETER
 from kernels.attention import flash_attention
 from kernels.dropout import dropout
 from kernels.layernorm import layer_norm, rms_norm
-from tests._mode import DEVICE, INTERPRETER
 
 # The interpreter runs on numpy, which has no bf16: CPU autocast to fp16 there.
 AUTOCAST_DTYPE = torch.float16 if INTERPRETER else torch.bfloat16

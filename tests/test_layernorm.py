@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import kernels.layernorm.ops as ops
 import reference.layernorm as twin
+from kernels._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
 from kernels.layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
-from tests._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
 from tests._numerics import assert_no_worse_than_torch
 
 WIDTHS = by_mode(interpreter=[1, 2, 7, 64, 1000, 4097, 20000],
@@ -299,19 +299,16 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_chunked_forward_with_persistent_programs(kind, monkeypatch):
+def test_chunked_forward_with_persistent_programs(kind):
     """The chunked forward at a small width: rows over several chunks (the last one partial), fewer
     programs than rows (each loops over rows), pass 2 reading the chunks last first."""
-    import kernels.layernorm.ops as ops
+    from kernels.layernorm import configs
 
-    monkeypatch.setattr(ops, "_MAX_FUSED_FWD", 64)
-    monkeypatch.setattr(ops, "_CHUNK", 32)
-    monkeypatch.setattr(ops, "_CHUNK_L2_FRACTION", 0.0)  # one program per SM, whatever fits in L2
-    ops._cached_fwd_config.cache_clear()
-    try:
+    # one program per SM, whatever fits in L2
+    with configs.override(max_fused_fwd=64, chunk=32, chunk_l2_fraction=0.0):
         m, n = 300, 100
         x, w, b, dy = _inputs(m, n, torch.float32)
-        assert not ops._fwd_config(n)["SINGLE_PASS"] and ops._fwd_programs(m, n, ops._fwd_config(n), 4, 0) < m
+        cfg = configs.forward(n)
+        assert not cfg["SINGLE_PASS"] and configs.forward_programs(m, n, cfg, 4, 0) < m
         _check_against_torch(kind, x, w, b if kind == "layer" else None, dy, 1e-5)
-    finally:
-        ops._cached_fwd_config.cache_clear()
+    assert configs.forward(n)["SINGLE_PASS"]  # the override is gone with the block

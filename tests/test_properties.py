@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 import reference.attention as attention_twin
 import reference.dropout as dropout_twin
 import reference.layernorm as layernorm_twin
+from kernels._mode import DEVICE, FLOAT_DTYPES, by_mode
 from kernels.attention import flash_attention
 from kernels.dropout import dropout
 from kernels.layernorm import layer_norm, rms_norm
-from tests._mode import DEVICE, FLOAT_DTYPES, by_mode
 
 EXAMPLES = by_mode(interpreter=12, cuda=60)
 MAX_SIDE = by_mode(interpreter=70, cuda=700)

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import reference.attention as attention_twin
 import reference.dropout as dropout_twin
 import reference.layernorm as layernorm_twin
+from kernels._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
 from kernels.attention import flash_attention, flash_attention_varlen
 from kernels.dropout import dropout
 from kernels.layernorm import layer_norm, rms_norm
-from tests._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
 from tests._numerics import assert_no_worse_than_torch
 
 

@@ -13,9 +13,9 @@ from torch.nn.utils import parametrize
 
 import kernels
 from examples.gpt import GPT, GPTConfig, batches, load_corpus
+from kernels._mode import DEVICE, by_mode
 from kernels.dropout import Dropout
 from kernels.layernorm import LayerNorm, RMSNorm
-from tests._mode import DEVICE, by_mode
 
 
 class _Block(torch.nn.Module):

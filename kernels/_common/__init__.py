@@ -1,8 +1,7 @@
 """Mechanics shared by every kernel family: interpreter detection and device dispatch, the
-single-config autotune helper, argument checks, seeds and the ``torch.library`` namespace."""
+argument checks, the Philox generator, seeds and the ``torch.library`` namespace."""
 
 from kernels._common.autocast import autocast_cast
-from kernels._common.autotune import autotune
 from kernels._common.launch import (
     cdiv,
     kernel_for,
@@ -32,7 +31,6 @@ __all__ = [
     "LIBRARY_NAMESPACE",
     "Seed",
     "autocast_cast",
-    "autotune",
     "backend_for",
     "cdiv",
     "check_finite_number",

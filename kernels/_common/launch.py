@@ -16,8 +16,10 @@ path").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 from torch.library import wrap_triton
@@ -145,6 +147,19 @@ def kernel_for(kernel, *, traceable: bool):
     if traceable:
         return wrap_triton(kernel)
     return kernel if INTERPRETER or PLAIN_LAUNCH else _fast_launcher(kernel)
+
+
+@contextlib.contextmanager
+def kernels_from(namespace: dict, module, names: tuple[str, ...]) -> Iterator[None]:
+    """Inside the block, the launcher module whose globals are ``namespace`` launches ``module``'s jit kernels
+    named ``names`` (those it has) instead of its own: another version of a family's ``_kernels.py``, timed
+    against this one in the same process. Each family's ``ops.kernels_from`` wraps this."""
+    saved = {name: namespace[name] for name in names}
+    namespace.update({name: getattr(module, name) for name in names if hasattr(module, name)})
+    try:
+        yield
+    finally:
+        namespace.update(saved)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -15,8 +15,13 @@ Implements (read beside ``reference/attention.py``, which runs the same blocks i
   block; P is recomputed from the saved log-sum-exp. A dQ program (``_attn_bwd_dq_program``) owns a query
   block of one query head and loops over key blocks. No atomics: deterministic.
 
+Dropout on the probabilities (``DROPOUT``): the keep mask of each tile is drawn from Philox4x32-10
+(``kernels._common.philox``) on the counter stated in ``reference/attention.py``, in the forward and again
+in the backward; nothing is stored. Packed variable-length batches (``VARLEN``) read each sequence's start
+from the cumulative lengths.
+
 Limits: head dims are padded to a power of two >= 16 inside the kernel (any D works; D > 256 runs with
-small blocks, correct but slow). Any strides. Dropout comes with a later change.
+small blocks, correct but slow). Any strides. Tiles, warps and stages: ``kernels/attention/configs.py``.
 
 Trade-offs:
 - The backward computes Q K^T twice (dK/dV and dQ programs) instead of accumulating dQ with atomics:
@@ -36,7 +41,7 @@ Trade-offs:
 import triton
 import triton.language as tl
 
-from kernels.dropout._kernels import philox4x32, philox_key
+from kernels._common.philox import philox4x32, philox_key
 from reference.attention import ATTENTION_COUNTER_TAG
 
 _COUNTER_TAG = tl.constexpr(ATTENTION_COUNTER_TAG)

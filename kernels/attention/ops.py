@@ -4,8 +4,8 @@ Eager calls run ``_FlashAttentionFunction``; under torch.compile ``flash_attenti
 registered ops ``fused_kernels::flash_attn_fwd`` / ``flash_attn_bwd``, which share the implementation.
 CPU tensors without the Triton interpreter run the twin ``reference.attention``.
 
-Launch configurations come from tables by head dim and dtype (``_CONFIGS`` and below), chosen by
-``scripts/sweep_attention.py`` on the H200; the README records the sweep.
+Launch configurations (tiles, warps, stages, one or two backward launches) come from the table in
+``kernels.attention.configs``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch.library import triton_op
 
 import reference.attention as twin
 from kernels._common import (
+    LIBRARY_NAMESPACE,
     autocast_cast,
     backend_for,
     cdiv,
@@ -31,6 +32,7 @@ from kernels._common import (
     nothing_to_launch,
     unused_pointer,
 )
+from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import (
     Seed,
     int32_word,
@@ -41,6 +43,7 @@ from kernels._common.seed import (
     seed_pointer,
     seed_value,
 )
+from kernels.attention import configs
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
     _attn_bwd_preprocess_kernel,
@@ -48,93 +51,14 @@ from kernels.attention._kernels import (
 )
 from reference.dropout import keep_threshold
 
-_MAX_HEAD_DIM = 1024
-
-# Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages) by padded head dim, for 16-bit inputs
-# and for fp32 (twice the bytes per tile, IEEE dots). BLOCK_M is the query block and BLOCK_N the key
-# block in every kernel. When the dK/dV and dQ configs of a call agree on warps and stages, both run as one
-# launch (``_fusable``). See the README's performance notes for how these were chosen.
-_CONFIGS = {
-    "fwd": {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-    "dkdv": {16: (32, 128, 4, 3), 32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 32, 4, 2)},
-    "dq": {16: (128, 64, 8, 3), 32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (32, 32, 4, 2)},
-}
-# Entries that replace _CONFIGS in some cases, looked up in this order (``_config``); all for 16-bit inputs.
-# Sliding windows of at most _NARROW_BAND keys (both sides bounded): each query block visits ~17 key
-# blocks, so the short loops favour smaller query blocks. Chosen with `sweep_attention.py --window 1024`
-# (B=1, S=16384, causal window 1024, H200, fp16): fwd D=128 +10% over _CONFIGS, dK/dV +8% at D=64 and 128,
-# dQ D=64 +26%. Only that window was measured; the bound is where the band stops being "short".
-_NARROW_BAND = 2048
-_NARROW_BAND_CONFIGS = {
-    "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
-    "dkdv": {64: (32, 64, 4, 3), 128: (32, 64, 4, 3)},
-    "dq": {64: (64, 32, 4, 3), 128: (128, 64, 8, 3)},
-}
-# Short sequences (Sq <= _SHORT_SEQ). Forward at D = 128: 64-row query blocks and 4 warps beat the 128-row
-# entry in two sweeps on the H200 (S = 1024, fp16): 428 vs 398 and 424 vs 399 TFLOP/s non-causal, 319 vs 296 and
-# 321 vs 296 causal (`attention-sweep.txt`, `attention-fwd-sweep-2026-11-22.txt`). With a band edge (causal),
-# D = 64: small dK/dV and dQ tiles in one launch, +9% over the two-launch entries at S = 1024 (-6% at 16384)
-# (`attention-bwd-fusion-probe.txt`). Full attention over _FULL_SEQ or more queries takes _FULL_SEQ_CONFIGS first.
-_SHORT_SEQ = 1024
-_SHORT_SEQ_CONFIGS = {"fwd": {128: (64, 64, 4, 3)}}
-_SHORT_BAND_CONFIGS = {"dkdv": {64: (32, 64, 4, 3)}, "dq": {64: (64, 64, 4, 3)}}
-# Long sequences (Sq > _LONG_SEQ), forward at D = 64: 128-row query blocks and 8 warps. At S = 16384: 410-415 vs
-# 396 TFLOP/s non-causal and 383-403 vs 380-398 causal in two sweeps (`attention-fwd-sweep-2026-11-22.txt`); at
-# S = 4096 causal, public call, +2% in two runs of 7 interleaved rounds (`attention-fwd-ab-2026-11-22.txt`,
-# fp16 and bf16). Causal at S = 1024 lost 1-4% there, so short causal calls keep the 64-row entry.
-_LONG_SEQ = 1024
-_LONG_SEQ_CONFIGS = {"fwd": {64: (128, 64, 8, 3)}}
-# Full attention (no band edge) over Sq >= _FULL_SEQ queries, forward: larger query blocks, so that each K/V tile
-# read from L2 serves more rows (a 64-row block at D = 128 needs ~6 TB/s of L2 reads at 400 TFLOP/s). Same
-# record: D = 64 (128, 64, 8, 3) +4 to +6% at S = 1024 and +2 to +5% at 4096 over (64, 64, 4, 3); D = 128
-# (256, 64, 16 warps, 3) +9 to +10% at S = 1024, +2 to +3% at 4096 and +3 to +4% at 16384 over the tiles it
-# replaced ((64, 64, 4, 3) at S = 1024, _CONFIGS above). Causal lost 3 to 12% with it and keeps those tiles.
-# Below _FULL_SEQ the big blocks would mostly hold padding rows.
-_FULL_SEQ = 1024
-_FULL_SEQ_CONFIGS = {"fwd": {64: (128, 64, 8, 3), 128: (256, 64, 16, 3)}}
-# Full attention, dQ at D = 64 with 4 warps, so that it shares one launch with dK/dV: +5%, +8%, +1% at S = 1024,
-# 4096, 16384 (`attention-bwd-fusion-probe.txt`).
-_FULL_CONFIGS = {"dq": {64: (128, 64, 4, 3)}}
-_FP32_CONFIG = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (32, 32, 4, 2), 256: (32, 16, 4, 1)}
-# Head dims above 256 (up to 1024): small blocks so that the tiles fit in shared memory.
-_WIDE_CONFIGS = {"fwd": (32, 64, 8, 1), "dkdv": (16, 16, 8, 2), "dq": (16, 32, 8, 1)}
-_WIDE_FP32_CONFIG = (16, 16, 8, 1)
-# fp32 backward tiles above this padded head dim do not fit in shared memory even at 16 x 16 (measured on
-# the H200: 256 KiB asked for D = 1024); that backward runs the tiled twin on the GPU instead (correct, slow).
-_FP32_MAX_KERNEL_BWD_DIM = 512
+_KERNEL_NAMES = ("_attn_fwd_kernel", "_attn_bwd_kernel", "_attn_bwd_preprocess_kernel")
 
 
-def _block_d(d: int) -> int:
-    return max(16, 1 << (d - 1).bit_length())
-
-
-def _config(kernel: str, d: int, dtype: torch.dtype, left: int = -1, right: int = -1, sq: int | None = None,
-            dropout: bool = False) -> dict:
-    """Launch parameters of ``kernel`` ("fwd", "dkdv" or "dq") for head dim ``d``, the band ``(left, right)``
-    of ``_band`` (-1: unbounded side) and ``sq`` queries (the longest sequence when packed; None: unknown).
-    A forward with ``dropout`` skips the large-query-block tables (_FULL_SEQ_CONFIGS, _LONG_SEQ_CONFIGS):
-    they were measured without dropout, and no GPU dropout test reaches their lengths."""
-    block_d = _block_d(d)
-    if block_d > 256:
-        block_m, block_n, warps, stages = _WIDE_FP32_CONFIG if dtype == torch.float32 else _WIDE_CONFIGS[kernel]
-    elif dtype == torch.float32:
-        block_m, block_n, warps, stages = _FP32_CONFIG[block_d]
-    else:
-        full = left < 0 and right < 0
-        short = sq is not None and sq <= _SHORT_SEQ
-        tables = [
-            (left >= 0 and right >= 0 and left + right + 1 <= _NARROW_BAND, _NARROW_BAND_CONFIGS),
-            (not dropout and full and sq is not None and sq >= _FULL_SEQ, _FULL_SEQ_CONFIGS),
-            (short, _SHORT_SEQ_CONFIGS),
-            (short and not full, _SHORT_BAND_CONFIGS),
-            (not dropout and sq is not None and sq > _LONG_SEQ, _LONG_SEQ_CONFIGS),
-            (full, _FULL_CONFIGS),
-        ]
-        entry = next((table[kernel][block_d] for applies, table in tables
-                      if applies and block_d in table.get(kernel, {})), _CONFIGS[kernel][block_d])
-        block_m, block_n, warps, stages = entry
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "EVEN_D": d == block_d,
-            "num_warps": warps, "num_stages": stages}
+def kernels_from(module):
+    """Inside ``with kernels_from(module):`` calls launch ``module``'s jit kernels (another version of
+    ``kernels/attention/_kernels.py``, same signatures) instead of this checkout's: interleaved A/B timing of a
+    kernel change in one process (``scripts/ab_kernels.py``)."""
+    return swap_kernels(globals(), module, _KERNEL_NAMES)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -208,8 +132,8 @@ def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict,
 
 def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False):
     b, hq, _, sq, _, d = _dims(o, o, varlen)
-    block_d = _block_d(d)
-    block_m = max(16, min(128, 8192 // block_d))
+    block_d = configs.block_d(d)
+    block_m = configs.preprocess_block_m(block_d)
     cu_q, _, stride_lb, stride_lh = _seq_args(delta, varlen, traceable)
     kernel_for(_attn_bwd_preprocess_kernel, traceable=traceable)[(cdiv(sq, block_m), b * hq)](
         o, do, delta, cu_q, stride_lb, stride_lh, *_strides(o), *_strides(do), hq, sq, d,
@@ -247,11 +171,6 @@ def _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scal
     )
 
 
-def _fusable(dkdv_cfg: dict, dq_cfg: dict) -> bool:
-    """Whether dK/dV and dQ run as one launch: when their configs agree on warps and pipeline stages."""
-    return dkdv_cfg["num_warps"] == dq_cfg["num_warps"] and dkdv_cfg["num_stages"] == dq_cfg["num_stages"]
-
-
 def _twin_forward(q, k, v, left, right, scale, dropout_p, seed, varlen):
     kw = {"window_size": (left, right), "softmax_scale": scale, "dropout_p": dropout_p, "seed": seed_value(seed)}
     if varlen is None:
@@ -280,7 +199,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
-    cfg = _config("fwd", d, q.dtype, left, right, sq, dropout=dropout_p > 0)
+    cfg = configs.launch_config("fwd", d, q.dtype, left, right, sq, dropout=dropout_p > 0)
     _launch_fwd(q, k, v, o, lse, left, right, scale, cfg, _dropout_args(dropout_p, seed), varlen, traceable=traceable)
     return o, lse
 
@@ -289,7 +208,8 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
               varlen=None, *, traceable=False):
     """``(dq, dk, dv)``, laid out as q, k, v (contiguous)."""
     b, _, _, _, _, d = _dims(q, k, varlen)
-    if backend_for(q) == "reference" or (q.dtype == torch.float32 and _block_d(d) > _FP32_MAX_KERNEL_BWD_DIM):
+    too_wide_for_fp32 = q.dtype == torch.float32 and configs.block_d(d) > configs.FP32_MAX_KERNEL_BWD_DIM
+    if backend_for(q) == "reference" or too_wide_for_fp32:
         return _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen)
     if nothing_to_launch(q) or k.numel() == 0 or b == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -300,8 +220,8 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     drop = _dropout_args(dropout_p, seed)
     sq = _dims(q, k, varlen)[3]
-    dkdv_cfg, dq_cfg = (_config(kernel, d, q.dtype, left, right, sq) for kernel in ("dkdv", "dq"))
-    if _fusable(dkdv_cfg, dq_cfg):
+    dkdv_cfg, dq_cfg = (configs.launch_config(kernel, d, q.dtype, left, right, sq) for kernel in ("dkdv", "dq"))
+    if configs.fuse_backward(dkdv_cfg, dq_cfg):
         _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left, right, scale, dkdv_cfg, dq_cfg, drop, varlen,
                     traceable=traceable)
     else:
@@ -338,7 +258,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, *([None] * 9)
 
 
-@triton_op("fused_kernels::flash_attn_fwd", mutates_args=())
+@triton_op(f"{LIBRARY_NAMESPACE}::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
                       scale: float, dropout_p: float, seed: int, seed_tensor: torch.Tensor | None,
                       cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
@@ -351,7 +271,7 @@ def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_
                      varlen, traceable=True)
 
 
-@triton_op("fused_kernels::flash_attn_bwd", mutates_args=())
+@triton_op(f"{LIBRARY_NAMESPACE}::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, window_left: int, window_right: int, scale: float, dropout_p: float,
                       seed: int, seed_tensor: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
@@ -424,8 +344,8 @@ def _validate(q, k, v, *, packed: bool = False) -> None:
     if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads != 0):
         raise ValueError(f"the number of query heads ({heads}) must be a multiple of the number of "
                          f"key/value heads ({kv_heads})")
-    if not 1 <= d <= _MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be between 1 and {_MAX_HEAD_DIM}, got {d}")
+    if not 1 <= d <= configs.MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be between 1 and {configs.MAX_HEAD_DIM}, got {d}")
 
 
 def _scale(softmax_scale, head_dim: int) -> float:

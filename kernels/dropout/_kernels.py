@@ -1,7 +1,7 @@
 """Seeded dropout in Triton: Philox4x32-10 regenerated in-kernel, no mask ever stored.
 
-Implements: ``philox4x32`` (the RNG) and ``philox_key`` (the key from run-time ints or from a seed on
-the device), in-kernel helpers shared with the attention family, and ``_dropout_fwd_kernel``, which computes ``y = x * (word >= threshold ? 1/(1-p) : 0)``. Dropout is linear
+Implements ``_dropout_fwd_kernel``, which computes ``y = x * (word >= threshold ? 1/(1-p) : 0)`` with
+the Philox4x32-10 words of ``kernels._common.philox`` (shared with attention's dropout). Dropout is linear
 in its input with a fixed mask, so the backward is the same kernel applied to ``dy`` with the same
 seed: the mask is drawn again, not read.
 
@@ -20,46 +20,10 @@ any element count works.
 import triton
 import triton.language as tl
 
-# Elements per Philox-word run: part of the mask's definition. Keep in step with reference/dropout.py
-# (the twin states the same constant; the tests compare the bits).
-LANE_STRIDE_ELEMENTS = 1024
-LANE_STRIDE = tl.constexpr(LANE_STRIDE_ELEMENTS)
+import reference.dropout as twin
+from kernels._common.philox import philox4x32, philox_key
 
-
-@triton.jit
-def philox4x32(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr = 10):
-    """Philox4x32-ROUNDS on uint32 counter words ``c0..c3`` (tensors) with uint32 key ``k0, k1``.
-
-    Each round: the 64-bit products ``M0*c0`` and ``M1*c2`` (one wide multiply each) are split into high
-    and low halves and mixed with the other words and the key; the key gets the Weyl increments.
-    """
-    for _ in tl.static_range(ROUNDS):
-        prod0 = c0.to(tl.uint64) * 0xD2511F53
-        prod1 = c2.to(tl.uint64) * 0xCD9E8D57
-        hi0 = (prod0 >> 32).to(tl.uint32)
-        lo0 = prod0.to(tl.uint32)
-        hi1 = (prod1 >> 32).to(tl.uint32)
-        lo1 = prod1.to(tl.uint32)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory):
-    """The Philox key words ``(k0, k1)`` as uint32: the run-time arguments ``seed_lo``/``seed_hi``, or, when
-    ``seed_in_memory`` is non-zero, the low and high halves of the int64 at ``seed_ptr`` (the int words are
-    then 0). The second form keys the kernel with a seed drawn on the device (under torch.compile or CUDA
-    graph capture) without a host sync.
-
-    ``seed_in_memory`` is a run-time flag, not a constexpr, so both forms run one compiled kernel: a graph
-    captured after an eager warm-up finds its kernel compiled (compiling during capture is not allowed)."""
-    from_memory = tl.load(seed_ptr, mask=seed_in_memory != 0, other=0).to(tl.int64)
-    # tl.cast, not .to: torch.compile's mutation analysis passes runtime scalars in as Python ints.
-    k0 = tl.cast(seed_lo, tl.uint32) ^ (from_memory & 0xFFFFFFFF).to(tl.uint32)
-    k1 = tl.cast(seed_hi, tl.uint32) ^ ((from_memory >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    return k0, k1
+LANE_STRIDE = tl.constexpr(twin.LANE_STRIDE)
 
 
 @triton.jit

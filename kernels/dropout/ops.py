@@ -13,8 +13,8 @@ public function calls the registered ops, which share the same implementation. O
 Both are ``torch.library.triton_op``s, so torch.compile sees the Triton kernel. On CPU tensors without
 the Triton interpreter they run the twin ``reference.dropout`` (bit-identical).
 
-Launch rule: one program per ``4 * LANE_STRIDE * CHUNKS`` elements; ``_launch_config`` picks CHUNKS and
-the warps (see the family README for the measurements behind it).
+Launch rule: one program per ``4 * LANE_STRIDE * CHUNKS`` elements, CHUNKS and the warps from
+``kernels.dropout.configs``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.library import triton_op
 import reference.dropout as twin
 from kernels._common import (
     FLOAT_DTYPES,
+    LIBRARY_NAMESPACE,
     backend_for,
     cdiv,
     check_float_dtype,
@@ -44,22 +45,11 @@ from kernels._common.seed import (
     seed_pointer,
     seed_value,
 )
-from kernels.dropout._kernels import LANE_STRIDE_ELEMENTS, _dropout_fwd_kernel
+from kernels.dropout import configs
+from kernels.dropout._kernels import _dropout_fwd_kernel
+from reference.dropout import LANE_STRIDE, keep_threshold
 
-_MASK32 = 0xFFFFFFFF
-_MASK64 = (1 << 64) - 1
-_CHUNK = 4 * LANE_STRIDE_ELEMENTS
-
-
-def keep_threshold(p: float) -> int:
-    """Keep an element iff its Philox word is >= ``round(p * 2**32)`` (capped at ``2**32 - 1``)."""
-    return min(round(p * 2**32), _MASK32)
-
-
-def _launch_config(n: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(chunks per program, warps): 1024-element runs over 4 warps give 8 elements per thread per load,
-    16-byte accesses in fp16/bf16."""
-    return 1, 4
+_CHUNK = 4 * LANE_STRIDE  # elements per Philox call group: four runs of LANE_STRIDE
 
 
 def _kernel_scalars(p: float, seed: Seed) -> tuple:
@@ -80,7 +70,7 @@ def _launch(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: 
     if nothing_to_launch(src):
         return
     n = src.numel()
-    chunks, num_warps = _launch_config(n, src.dtype)
+    chunks, num_warps = configs.CHUNKS_PER_PROGRAM, configs.NUM_WARPS
     grid = (cdiv(n, _CHUNK * chunks),)
     seed_lo, seed_hi, seed_tensor, threshold, scale = scalars
     seed_ptr, seed_in_memory = seed_pointer(seed_tensor, src, traceable)
@@ -121,7 +111,7 @@ class _DropoutFunction(torch.autograd.Function):
         return _dropout_impl(grad_out, ctx.p, ctx.seed, scalars=ctx.scalars), None, None
 
 
-@triton_op("fused_kernels::dropout", mutates_args=())
+@triton_op(f"{LIBRARY_NAMESPACE}::dropout", mutates_args=())
 def dropout_op(x: torch.Tensor, p: float, seed: int, seed_tensor: torch.Tensor | None = None) -> torch.Tensor:
     """Registered op: seeded dropout for ``0 < p < 1``; ``seed`` is the 64-bit seed as a signed int64, or
     ``seed_tensor`` (a 0-d int64 device tensor, read by the kernel) when given."""
@@ -148,7 +138,7 @@ def _dropout_inplace_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: b
         _launch(x, x, _kernel_scalars(p, seed), traceable=traceable)
 
 
-@triton_op("fused_kernels::dropout_", mutates_args={"x"})
+@triton_op(f"{LIBRARY_NAMESPACE}::dropout_", mutates_args={"x"})
 def dropout_inplace_op(x: torch.Tensor, p: float, seed: int, seed_tensor: torch.Tensor | None = None) -> None:
     """Registered op: in-place seeded dropout for ``0 < p < 1`` on a tensor that needs no gradient."""
     _dropout_inplace_impl(x, p, seed_from_op_args(seed, seed_tensor), traceable=True)

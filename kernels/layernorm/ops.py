@@ -9,22 +9,11 @@ torch.compile the public functions call the registered ops, which share the impl
 ``x`` is the input viewed as ``(M, N)`` rows. On CPU tensors without the Triton interpreter the twin
 ``reference.layernorm`` runs.
 
-Launch rules (why in the family README):
-- forward: rows up to ``_MAX_FUSED_FWD`` elements stay in registers, several rows per program when N
-  is small (about 4096 elements per tile, 64 per thread); wider rows are processed in chunks of
-  ``_CHUNK`` by persistent programs sized to L2.
-- backward, rows up to ``_MAX_FUSED_BWD``: tiles of ~4096 elements, ``programs = min(row tiles, 2 * SMs)``,
-  each owning a contiguous range of rows and making one locked add of its partial dW/dB;
-  ``GROUP_SIZE_M = min(programs, 64)`` buffers in lock mode (about four programs per lock, each adding
-  once: short waits, and a final sum over 64 rows of N); one buffer per program with
-  ``deterministic=True`` (no waiting, a larger final sum).
-- backward, wider rows: a row-terms kernel, then programs over (1024-column block, row group) with about
-  ``2 * SMs`` programs in all; lock-free and deterministic.
+Launch configurations (tiles, warps, grids) come from ``kernels.layernorm.configs``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -32,6 +21,7 @@ from torch.library import triton_op
 
 import reference.layernorm as twin
 from kernels._common import (
+    LIBRARY_NAMESPACE,
     autocast_cast,
     backend_for,
     cdiv,
@@ -40,11 +30,12 @@ from kernels._common import (
     check_same_device,
     check_tensor,
     kernel_for,
-    l2_cache_bytes,
     multiprocessor_count,
     nothing_to_launch,
     unused_pointer,
 )
+from kernels._common.launch import kernels_from as swap_kernels
+from kernels.layernorm import configs
 from kernels.layernorm._kernels import (
     _layer_norm_bwd_columns_kernel,
     _layer_norm_bwd_dwdb_kernel,
@@ -53,74 +44,15 @@ from kernels.layernorm._kernels import (
     _layer_norm_fwd_kernel,
 )
 
-_MAX_FUSED_FWD = 32768
-_MAX_FUSED_BWD = 8192
-_CHUNK = 8192
-_FWD_TILE = 4096  # elements per forward tile (several rows when N is small)
-_FWD_ELEMENTS_PER_THREAD = 64
-_FWD_MIN_WARPS = 4  # 2 for rows up to _FWD_NARROW
-_FWD_NARROW = 2048
-_CHUNK_WARPS = 8
-_CHUNK_LOOP_STAGES = 3
-_CHUNK_L2_FRACTION = 0.5  # the chunked forward keeps at most this much of L2 in rows in flight
-_BWD_TILE = 4096  # elements per backward tile
-_BWD_ELEMENTS_PER_THREAD = 16  # 32 for rows up to _BWD_NARROW (4 warps per 4096-element tile)
-_BWD_NARROW = 2048
-_WIDE_COLUMNS = 1024  # column block of the wide backward
-_PROGRAMS_PER_SM = 2
-_BWD_LOOP_STAGES = 3  # tl.range pipelining of the fused backward's row loop (README: 52-62% -> 81-88% of copy)
-_MAX_GROUP_SIZE_M = 64
-_DWDB_BLOCK_N = 64  # columns per program of the final dW/dB sum
+_KERNEL_NAMES = ("_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_row_terms_kernel",
+                 "_layer_norm_bwd_columns_kernel", "_layer_norm_bwd_dwdb_kernel")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _fwd_config(n) -> dict:
-    """Launch parameters of the forward for rows of ``n``: the same dict for every call with a plain int
-    (never mutate it); computed afresh for a symbolic ``n`` (torch.compile with dynamic shapes)."""
-    return _cached_fwd_config(n) if type(n) is int else _make_fwd_config(n)
-
-
-def _bwd_config(n) -> dict:
-    """Launch parameters of the register-path backward for rows of ``n`` (shared dict, as ``_fwd_config``)."""
-    return _cached_bwd_config(n) if type(n) is int else _make_bwd_config(n)
-
-
-def _make_fwd_config(n) -> dict:
-    if n > _MAX_FUSED_FWD:
-        return {"BLOCK_M": 1, "BLOCK_N": _CHUNK, "SINGLE_PASS": False, "LOOP_STAGES": _CHUNK_LOOP_STAGES,
-                "num_warps": _CHUNK_WARPS}
-    block_n = _next_pow2(n)
-    block_m = max(1, min(64, _FWD_TILE // block_n))
-    min_warps = 2 if block_n <= _FWD_NARROW else _FWD_MIN_WARPS
-    num_warps = max(min_warps, min(32, block_m * block_n // (32 * _FWD_ELEMENTS_PER_THREAD)))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_PASS": True, "LOOP_STAGES": 1, "num_warps": num_warps}
-
-
-def _fwd_programs(m: int, n: int, cfg: dict, elt_size: int, device_index: int) -> int:
-    """Forward grid: a tile of rows per program; for the chunked path, persistent programs whose rows in
-    flight fit in ``_CHUNK_L2_FRACTION`` of L2, so that pass 2 re-reads them from L2 (at least one per SM)."""
-    tiles = cdiv(m, cfg["BLOCK_M"])
-    if cfg["SINGLE_PASS"]:
-        return tiles
-    fitting = int(l2_cache_bytes(device_index) * _CHUNK_L2_FRACTION) // (n * elt_size)
-    return min(tiles, max(multiprocessor_count(device_index), fitting))
-
-
-def _make_bwd_config(n) -> dict:
-    """A tile of about _BWD_TILE elements, several rows when n is small; the row loop pipelined
-    ``_BWD_LOOP_STAGES`` deep."""
-    block_n = _next_pow2(n)
-    block_m = max(1, min(64, _BWD_TILE // block_n))
-    per_thread = 2 * _BWD_ELEMENTS_PER_THREAD if block_n <= _BWD_NARROW else _BWD_ELEMENTS_PER_THREAD
-    num_warps = max(1, min(16, block_m * block_n // (32 * per_thread)))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "LOOP_STAGES": _BWD_LOOP_STAGES, "num_warps": num_warps}
-
-
-_cached_fwd_config = functools.cache(_make_fwd_config)
-_cached_bwd_config = functools.cache(_make_bwd_config)
+def kernels_from(module):
+    """Inside ``with kernels_from(module):`` calls launch ``module``'s jit kernels (another version of
+    ``kernels/layernorm/_kernels.py``, same signatures) instead of this checkout's: interleaved A/B timing of a
+    kernel change in one process (``scripts/ab_kernels.py``)."""
+    return swap_kernels(globals(), module, _KERNEL_NAMES)
 
 
 def _rows_2d(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -171,8 +103,8 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, traceable=False):
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     if nothing_to_launch(x):
         return y, mean, rstd
-    cfg = _fwd_config(n)
-    grid = (_fwd_programs(m, n, cfg, x.element_size(), x.device.index or 0),)
+    cfg = configs.forward(n)
+    grid = (configs.forward_programs(m, n, cfg, x.element_size(), x.device.index or 0),)
     kernel_for(_layer_norm_fwd_kernel, traceable=traceable)[grid](
         x, y, _or_unused(weight, x, traceable), _or_unused(bias, x, traceable),
         _or_unused(None if is_rms else mean, x, traceable), rstd, m, n, stride_x, n, eps,
@@ -215,13 +147,9 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
     need_partial = need_dw or need_db
     w_arg = _or_unused(weight, x, traceable)
     mean_arg = _or_unused(None if is_rms else mean, x, traceable)
-    if n <= _MAX_FUSED_BWD:
-        cfg = _bwd_config(n)
-        tiles = cdiv(m, cfg["BLOCK_M"])
-        programs = min(tiles, _PROGRAMS_PER_SM * sms)
-        rows_per_program = cdiv(tiles, programs) * cfg["BLOCK_M"]
-        programs = cdiv(m, rows_per_program)
-        slots = programs if deterministic else min(programs, _MAX_GROUP_SIZE_M)
+    if configs.fused_backward(n):
+        cfg = configs.backward(n)
+        programs, rows_per_program, slots = configs.backward_grid(m, cfg, sms, deterministic)
         partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
         # Locks, then first-write flags: one zeroed allocation (lock mode only).
         locks = None if deterministic or not need_partial else torch.zeros(
@@ -237,26 +165,22 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         c2 = torch.empty(m, device=x.device, dtype=torch.float32)
         kernel_for(_layer_norm_bwd_row_terms_kernel, traceable=traceable)[(m,)](
             x, dy, w_arg, mean_arg, rstd, c1, c2, m, n, stride_x, stride_dy,
-            IS_RMS=is_rms, HAS_WEIGHT=need_dw, BLOCK_M=1, BLOCK_N=_CHUNK, num_warps=8,
+            IS_RMS=is_rms, HAS_WEIGHT=need_dw, **configs.row_terms(),
         )
-        col_blocks = cdiv(n, _WIDE_COLUMNS)
-        block_m = max(1, _BWD_TILE // _WIDE_COLUMNS)
-        row_groups = max(1, min(cdiv(m, block_m), cdiv(_PROGRAMS_PER_SM * sms, col_blocks)))
-        rows_per_program = cdiv(cdiv(m, row_groups), block_m) * block_m
-        row_groups = cdiv(m, rows_per_program)
+        col_blocks, row_groups, rows_per_program, wide_cfg = configs.wide_backward(m, n, sms)
         slots = row_groups
         partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
         kernel_for(_layer_norm_bwd_columns_kernel, traceable=traceable)[(col_blocks, row_groups)](
             x, dy, dx, w_arg, mean_arg, rstd, c1, c2, _or_unused(partial, x, traceable), m, n,
             stride_x, stride_dy, n, rows_per_program, IS_RMS=is_rms, HAS_WEIGHT=need_dw,
-            NEED_DB=need_db, BLOCK_M=block_m, BLOCK_N=_WIDE_COLUMNS, num_warps=8,
+            NEED_DB=need_db, **wide_cfg,
         )
     if need_partial:
-        block_n = min(_DWDB_BLOCK_N, _next_pow2(n))
-        kernel_for(_layer_norm_bwd_dwdb_kernel, traceable=traceable)[(cdiv(n, block_n),)](
+        sum_cfg = configs.dwdb(n, slots)
+        kernel_for(_layer_norm_bwd_dwdb_kernel, traceable=traceable)[(cdiv(n, sum_cfg["BLOCK_N"]),)](
             partial, _or_unused(dw if need_dw else None, x, traceable),
             _or_unused(db if need_db else None, x, traceable), slots, n, NEED_DW=need_dw, NEED_DB=need_db,
-            BLOCK_S=min(32, _next_pow2(slots)), BLOCK_N=block_n, num_warps=4,
+            **sum_cfg,
         )
     return dx, dw, db
 
@@ -288,14 +212,14 @@ class _NormFunction(torch.autograd.Function):
         return (dx, dw if w is not None else None, db if ctx.need_db else None, None, None, None, None)
 
 
-@triton_op("fused_kernels::norm_fwd", mutates_args=())
+@triton_op(f"{LIBRARY_NAMESPACE}::norm_fwd", mutates_args=())
 def norm_fwd_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                 is_rms: bool, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Registered forward: rows ``x`` (M, N) -> ``(y, mean, rstd)``; ``deterministic`` is for backward."""
     return _norm_fwd_impl(x, weight, bias, eps, is_rms, traceable=True)
 
 
-@triton_op("fused_kernels::norm_bwd", mutates_args=())
+@triton_op(f"{LIBRARY_NAMESPACE}::norm_bwd", mutates_args=())
 def norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
                 rstd: torch.Tensor, is_rms: bool, need_db: bool,
                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

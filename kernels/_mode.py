@@ -1,4 +1,5 @@
-"""Picks the test mode once, before anything imports triton.
+"""Where the test and benchmark suites (and the tools in ``scripts/``) run the kernels: picked once, before
+anything imports triton. Import it first; ``kernels/__init__.py`` imports nothing, so this is safe.
 
 - ``cuda``: a CUDA GPU is present. Kernels compile for it; the full shape and dtype grid runs.
 - ``interpreter``: no GPU. ``TRITON_INTERPRET=1`` is set here, before triton is imported, so every
@@ -7,7 +8,7 @@
 
 ``FUSED_KERNELS_TEST_MODE=interpreter`` forces the interpreter on a GPU machine (as does an explicit
 ``TRITON_INTERPRET=1``); ``FUSED_KERNELS_TEST_MODE=cuda`` on a machine without a GPU is an error.
-The benchmark suite imports this module too, so both suites choose the same way.
+The test suite, the benchmark suite and the tools import this module, so all choose the same way.
 """
 
 from __future__ import annotations

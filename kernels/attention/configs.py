@@ -1,0 +1,233 @@
+"""Launch configurations of the attention kernels: which tile each call gets, and why.
+
+A call is described by a :class:`Query` (kernel, padded head dim, dtype, visible band, query length,
+dropout). :data:`ROWS` is one flat table read top to bottom: the first row that matches the query gives
+its :class:`Tile`; every (kernel, head dim, dtype) has a last catch-all row, so every query finds one.
+Each row carries a one-line reason; the measurements behind them are in the family's ``TUNING.md``.
+
+Terms used in the rows:
+
+- **mask**: ``full`` (no band edge), ``narrow`` (both sides bounded, at most ``NARROW_BAND`` keys wide:
+  a sliding window) or ``band`` (anything else with an edge: causal, a one-sided or a wide window).
+- **Sq**: queries per sequence (the longest sequence for packed batches); rows give an inclusive range.
+- **backward launches**: the dK/dV and dQ programs share one launch when their tiles agree on warps and
+  pipeline stages (:func:`fuse_backward`); otherwise they run as two launches.
+
+Print the effective table for a grid of shapes::
+
+    python -m kernels.attention
+
+Tests and tools force other tiles through :func:`override`, never by editing the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+
+#: Head dims are padded to a power of two of at least 16; the kernels take up to 1024.
+MAX_HEAD_DIM = 1024
+#: A two-sided window of at most this many keys is a "narrow" band.
+NARROW_BAND = 2048
+#: fp32 backward tiles above this padded head dim do not fit in shared memory even at 16 x 16 (256 KiB
+#: asked for at D = 1024): that backward runs the tiled twin on the GPU instead (correct, slow).
+FP32_MAX_KERNEL_BWD_DIM = 512
+
+ANY_LENGTH = (0, math.inf)
+ALL_MASKS = frozenset({"full", "band", "narrow"})
+
+
+class Tile(NamedTuple):
+    block_m: int  # query rows per block (every kernel)
+    block_n: int  # keys per block
+    num_warps: int
+    num_stages: int
+
+
+class Query(NamedTuple):
+    kernel: str  # "fwd", "dkdv" or "dq"
+    block_d: int  # padded head dim
+    dtype: str  # "16-bit" or "fp32"
+    mask: str  # "full", "band" or "narrow"
+    sq: int
+    dropout: bool
+
+
+class Row(NamedTuple):
+    kernel: str
+    dims: tuple[int, ...]  # padded head dims
+    dtype: str
+    masks: frozenset[str]
+    seq: tuple[float, float]  # lo <= Sq <= hi
+    dropout: bool | None  # None: with or without
+    tile: Tile
+    why: str
+
+    def matches(self, q: Query) -> bool:
+        return (q.kernel == self.kernel and q.block_d in self.dims and q.dtype == self.dtype and q.mask in self.masks
+                and self.seq[0] <= q.sq <= self.seq[1] and self.dropout in (None, q.dropout))
+
+
+def _row(kernel, dims, tile, why, *, dtype="16-bit", masks=ALL_MASKS, seq=ANY_LENGTH, dropout=None) -> Row:
+    return Row(kernel, tuple(dims), dtype, frozenset(masks), seq, dropout, Tile(*tile), why)
+
+
+_SMALL = (16, 32, 64)
+_WIDE = (512, 1024)
+_NARROW = {"narrow"}
+_BOUNDED = {"band", "narrow"}
+_SHORT = (0, 1024)
+
+ROWS: tuple[Row, ...] = (
+    # Sliding windows: each query block visits about 17 key blocks, so the short loops favour small query
+    # blocks (window-1024 sweep at S = 16384).
+    _row("fwd", (64, 128), (64, 64, 4, 3), "narrow window: short key loops favour 64-row query blocks (+10% at D 128)",
+         masks=_NARROW),
+    _row("dkdv", (64, 128), (32, 64, 4, 3), "narrow window: 64-key blocks waste less of each band edge (+8%)",
+         masks=_NARROW),
+    _row("dq", (64,), (64, 32, 4, 3), "narrow window: small dQ tiles (+26% at D 64)", masks=_NARROW),
+    _row("dq", (128,), (128, 64, 8, 3), "narrow window, D 128: the default dQ tile", masks=_NARROW),
+    # Full attention over long queries: each K/V tile read from L2 serves more rows (a 64-row block at D = 128
+    # needs about 6 TB/s of L2 reads at 400 TFLOP/s). Measured without dropout only.
+    _row("fwd", (64,), (128, 64, 8, 3), "full, Sq >= 1024: 128-row blocks halve K/V re-reads (+2 to +6%)",
+         masks={"full"}, seq=(1024, math.inf), dropout=False),
+    _row("fwd", (128,), (256, 64, 16, 3), "full, Sq >= 1024: 256-row blocks, 16 warps (+2 to +10%)",
+         masks={"full"}, seq=(1024, math.inf), dropout=False),
+    # Short sequences.
+    _row("fwd", (128,), (64, 64, 4, 3), "Sq <= 1024: 64-row blocks, 4 warps (+7 to +8% over 128 rows)", seq=_SHORT),
+    _row("dkdv", (64,), (32, 64, 4, 3), "short band: small tiles, one launch with dQ (+9% at S 1024)",
+         masks=_BOUNDED, seq=_SHORT),
+    _row("dq", (64,), (64, 64, 4, 3), "short band: matches dK/dV's warps and stages, so one launch",
+         masks=_BOUNDED, seq=_SHORT),
+    # Long sequences at D = 64: 128-row query blocks (causal at S = 1024 lost 1-4% with them, so from 1025 on).
+    _row("fwd", (64,), (128, 64, 8, 3), "Sq > 1024: 128-row blocks, 8 warps (+2 to +5%)", seq=(1025, math.inf),
+         dropout=False),
+    # Full attention, dQ at D = 64 with 4 warps so that it shares one launch with dK/dV.
+    _row("dq", (64,), (128, 64, 4, 3), "full: 4 warps to share dK/dV's launch (+1 to +8%)", masks={"full"}),
+    # Defaults, 16-bit inputs.
+    _row("fwd", _SMALL, (64, 64, 4, 3), "default"),
+    _row("fwd", (128,), (128, 64, 8, 3), "default"),
+    _row("fwd", (256,), (64, 32, 4, 2), "default: D 256 tiles must fit shared memory"),
+    _row("dkdv", _SMALL, (32, 128, 4, 3), "default: long key blocks amortise the dK/dV accumulators"),
+    _row("dkdv", (128,), (64, 128, 8, 3), "default"),
+    _row("dkdv", (256,), (32, 32, 4, 2), "default: D 256 tiles must fit shared memory"),
+    _row("dq", (*_SMALL, 128), (128, 64, 8, 3), "default"),
+    _row("dq", (256,), (32, 32, 4, 2), "default: D 256 tiles must fit shared memory"),
+    _row("fwd", _WIDE, (32, 64, 8, 1), "D > 256: small blocks so the tiles fit shared memory"),
+    _row("dkdv", _WIDE, (16, 16, 8, 2), "D > 256: small blocks so the tiles fit shared memory"),
+    _row("dq", _WIDE, (16, 32, 8, 1), "D > 256: small blocks so the tiles fit shared memory"),
+    # fp32: twice the bytes per tile and IEEE dots; one tile per head dim for every kernel.
+    *(_row(kernel, dims, tile, why, dtype="fp32") for kernel in ("fwd", "dkdv", "dq") for dims, tile, why in (
+        (_SMALL, (64, 32, 4, 2), "fp32: about half the 16-bit tile"),
+        ((128,), (32, 32, 4, 2), "fp32: about half the 16-bit tile"),
+        ((256,), (32, 16, 4, 1), "fp32: D 256 tiles must fit shared memory"),
+        (_WIDE, (16, 16, 8, 1), "fp32, D > 256: small blocks so the tiles fit shared memory"))),
+)
+
+# The one place a different tile can be forced (see ``override``).
+_adjust: Callable[[Query, Tile], Tile] | None = None
+_fuse: bool | None = None
+
+
+def block_d(d: int) -> int:
+    """The padded head dim the kernels tile: the next power of two, at least 16."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def mask_kind(left: int, right: int) -> str:
+    """``full``, ``narrow`` or ``band`` for the visible band ``(left, right)`` (-1: unbounded side)."""
+    if left < 0 and right < 0:
+        return "full"
+    if left >= 0 and right >= 0 and left + right + 1 <= NARROW_BAND:
+        return "narrow"
+    return "band"
+
+
+def query(kernel: str, d: int, dtype: torch.dtype, left: int = -1, right: int = -1, sq: int = 0,
+          dropout: bool = False) -> Query:
+    return Query(kernel, block_d(d), "fp32" if dtype == torch.float32 else "16-bit", mask_kind(left, right), sq,
+                 bool(dropout))
+
+
+def lookup(q: Query) -> Row:
+    """The first row of :data:`ROWS` that matches ``q`` (ignores ``override``)."""
+    for row in ROWS:
+        if row.matches(q):
+            return row
+    raise LookupError(f"no launch configuration for {q}")  # a table bug: tests check every combination
+
+
+def tile(q: Query) -> Tile:
+    """The tile for ``q``: the table's, or what an active ``override`` makes of it."""
+    chosen = lookup(q).tile
+    return _adjust(q, chosen) if _adjust is not None else chosen
+
+
+def _launch_config(kernel, d, dtype, left, right, sq, dropout) -> dict:
+    t = tile(query(kernel, d, dtype, left, right, sq, dropout))
+    bd = block_d(d)
+    return {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_D": bd, "EVEN_D": d == bd, "num_warps": t.num_warps,
+            "num_stages": t.num_stages}
+
+
+# Scanning the rows costs microseconds; a call's host path should not pay it again for a seen shape.
+_launch_config_cached = functools.lru_cache(maxsize=4096)(_launch_config)
+
+
+def launch_config(kernel: str, d: int, dtype: torch.dtype, left: int = -1, right: int = -1, sq: int = 0,
+                  dropout: bool = False) -> dict:
+    """Keyword arguments of a launch of ``kernel`` for head dim ``d``, band ``(left, right)``, ``sq`` queries
+    (one shared dict per distinct call: never mutate it)."""
+    plain = type(d) is type(left) is type(right) is type(sq) is int and type(dropout) is bool
+    if _adjust is not None or not plain:  # an override, or symbolic sizes under torch.compile
+        return _launch_config(kernel, d, dtype, left, right, sq, dropout)
+    return _launch_config_cached(kernel, d, dtype, left, right, sq, dropout)
+
+
+def fuse_backward(dkdv_cfg: dict, dq_cfg: dict) -> bool:
+    """Whether dK/dV and dQ run as one launch: when their configs agree on warps and pipeline stages."""
+    if _fuse is not None:
+        return _fuse
+    return dkdv_cfg["num_warps"] == dq_cfg["num_warps"] and dkdv_cfg["num_stages"] == dq_cfg["num_stages"]
+
+
+def preprocess_block_m(bd: int) -> int:
+    """Rows per program of the backward's ``delta = rowsum(dO * O)``: about 8192 elements per tile."""
+    return max(16, min(128, 8192 // bd))
+
+
+@contextlib.contextmanager
+def override(adjust: Callable[[Query, Tile], Tile] | None = None, *, fuse: bool | None = None) -> Iterator[None]:
+    """Inside the block, every tile is ``adjust(query, table_tile)`` and, when ``fuse`` is given, the backward
+    runs as one launch (True) or two (False) whatever the tiles. For tests (small blocks that cross every
+    loop edge) and for tools that time a candidate tile against the table's."""
+    global _adjust, _fuse
+    saved = _adjust, _fuse
+    _adjust, _fuse = adjust, fuse
+    try:
+        yield
+    finally:
+        _adjust, _fuse = saved
+
+
+def table(dims=(64, 128), lengths=(512, 1024, 1025, 4096), dtypes=(torch.bfloat16, torch.float32)) -> str:
+    """The effective choices over a grid, one line each: what ``python -m kernels.attention`` prints."""
+    bands = {"full": (-1, -1), "causal": (-1, 0), "window 512": (256, 255)}
+    lines = [f"{'D':>4} {'dtype':>8} {'mask':>10} {'Sq':>6} {'drop':>5}  {'fwd':>16} {'dK/dV':>16} {'dQ':>16}  bwd"]
+    for d in dims:
+        for dtype in dtypes:
+            for name, (left, right) in bands.items():
+                for sq in lengths:
+                    for dropout in (False, True):
+                        cfgs = [launch_config(k, d, dtype, left, right, sq, dropout) for k in ("fwd", "dkdv", "dq")]
+                        cells = [f"({c['BLOCK_M']},{c['BLOCK_N']},{c['num_warps']}w,{c['num_stages']}s)" for c in cfgs]
+                        launches = "1 launch" if fuse_backward(cfgs[1], cfgs[2]) else "2 launches"
+                        lines.append(f"{d:>4} {str(dtype)[6:]:>8} {name:>10} {sq:>6} {'yes' if dropout else 'no':>5}  "
+                                     f"{cells[0]:>16} {cells[1]:>16} {cells[2]:>16}  {launches}")
+    return "\n".join(lines)
+

@@ -1,0 +1,198 @@
+"""Launch configurations of the LayerNorm/RMSNorm kernels: tile, warps and grid for each row width, and why.
+
+Every choice is computed from the row width ``n`` (and, for grids, the row count ``m`` and the GPU's SM
+count and L2 size) by the functions below, from the settings in :class:`Settings`: each field is one
+decision with its reason. The measurements behind them are in the family's ``TUNING.md``.
+
+- **forward**: rows up to ``max_fused_fwd`` elements stay in registers, several rows per program when
+  rows are short (a tile of about ``fwd_tile`` elements, ``fwd_elements_per_thread`` per thread); wider
+  rows are read in chunks of ``chunk`` by persistent programs whose rows in flight fit in L2, so the
+  second pass over a row reads it from L2.
+- **backward, rows up to ``max_fused_bwd``**: tiles of about ``bwd_tile`` elements,
+  ``min(row tiles, programs_per_sm * SMs)`` programs, each owning a contiguous range of rows and adding
+  its partial dW/dB once into one of ``min(programs, max_group_size_m)`` fp32 buffers under a lock (one
+  buffer per program with ``deterministic=True``); a second kernel sums the buffers.
+- **backward, wider rows**: a row-terms kernel, then programs over (``wide_columns``-column block, row
+  group), about ``programs_per_sm * SMs`` in all, each writing its own buffer (lock-free, deterministic).
+
+Print the effective table::
+
+    python -m kernels.layernorm
+
+Tests and tools change a setting through :func:`override`, never by assigning to this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+from kernels._common.launch import l2_cache_bytes, multiprocessor_count
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    # Forward.
+    max_fused_fwd: int = 32768  # widest row kept in registers: a 32768-element row is 64 per thread at 16 warps
+    fwd_tile: int = 4096  # elements per program: several short rows share one, so each thread has work
+    fwd_elements_per_thread: int = 64  # a 64-element strip per thread keeps many 16-byte loads in flight
+    fwd_min_warps: int = 4  # at least 4 warps per program for rows over fwd_narrow ...
+    fwd_narrow: int = 2048  # ... and 2 for rows up to this width, so more programs fit per SM
+    chunk: int = 8192  # chunked forward: elements per chunk of a wide row (and per row-terms step)
+    chunk_warps: int = 8
+    chunk_loop_stages: int = 3  # software pipelining of the chunk loop
+    chunk_l2_fraction: float = 0.5  # rows in flight of the chunked forward fill at most this much of L2
+    # Backward.
+    max_fused_bwd: int = 8192  # widest row the single-kernel backward keeps in registers (x, dy, w and dx)
+    bwd_tile: int = 4096  # elements per program iteration: several short rows at once
+    bwd_elements_per_thread: int = 16  # 32 for rows up to bwd_narrow (4 warps per 4096-element tile)
+    bwd_narrow: int = 2048
+    bwd_loop_stages: int = 3  # pipelining of the row loop: 52-62% -> 81-88% of copy for N <= 8192
+    programs_per_sm: int = 2  # two programs per SM hide each other's reduction and lock waits
+    max_group_size_m: int = 64  # lock mode: partial-dW/dB buffers (about four programs per lock on 132 SMs)
+    wide_columns: int = 1024  # wide backward: columns per program
+    wide_warps: int = 8
+    dwdb_block_n: int = 64  # columns per program of the final dW/dB sum
+
+
+SETTINGS = Settings()
+_active = SETTINGS
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Settings]:
+    """Inside the block the kernels launch with ``changes`` applied to :data:`SETTINGS` (e.g.
+    ``override(max_fused_fwd=64, chunk=32)`` to run the chunked forward on small rows in a test)."""
+    global _active
+    saved = _active
+    _active = dataclasses.replace(saved, **changes)
+    _forward_cached.cache_clear()
+    _backward_cached.cache_clear()
+    try:
+        yield _active
+    finally:
+        _active = saved
+        _forward_cached.cache_clear()
+        _backward_cached.cache_clear()
+
+
+def _forward(n) -> dict:
+    s = _active
+    if n > s.max_fused_fwd:
+        return {"BLOCK_M": 1, "BLOCK_N": s.chunk, "SINGLE_PASS": False, "LOOP_STAGES": s.chunk_loop_stages,
+                "num_warps": s.chunk_warps}
+    block_n = next_pow2(n)
+    block_m = max(1, min(64, s.fwd_tile // block_n))
+    min_warps = 2 if block_n <= s.fwd_narrow else s.fwd_min_warps
+    num_warps = max(min_warps, min(32, block_m * block_n // (32 * s.fwd_elements_per_thread)))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_PASS": True, "LOOP_STAGES": 1, "num_warps": num_warps}
+
+
+def _backward(n) -> dict:
+    s = _active
+    block_n = next_pow2(n)
+    block_m = max(1, min(64, s.bwd_tile // block_n))
+    per_thread = 2 * s.bwd_elements_per_thread if block_n <= s.bwd_narrow else s.bwd_elements_per_thread
+    num_warps = max(1, min(16, block_m * block_n // (32 * per_thread)))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "LOOP_STAGES": s.bwd_loop_stages, "num_warps": num_warps}
+
+
+_forward_cached = functools.cache(_forward)
+_backward_cached = functools.cache(_backward)
+
+
+def forward(n) -> dict:
+    """Launch parameters of the forward for rows of ``n``: one shared dict per plain-int ``n`` (never mutate
+    it); computed afresh for a symbolic ``n`` (torch.compile with dynamic shapes)."""
+    return _forward_cached(n) if type(n) is int else _forward(n)
+
+
+def forward_programs(m: int, n: int, cfg: dict, elt_size: int, device_index: int = 0, *, sms: int | None = None,
+                     l2_bytes: int | None = None) -> int:
+    """Forward grid: a tile of rows per program; for the chunked path, persistent programs whose rows in
+    flight fit in ``chunk_l2_fraction`` of L2 (at least one per SM). SM count and L2 size are the device's
+    unless given."""
+    tiles = cdiv(m, cfg["BLOCK_M"])
+    if cfg["SINGLE_PASS"]:
+        return tiles
+    sms = multiprocessor_count(device_index) if sms is None else sms
+    l2_bytes = l2_cache_bytes(device_index) if l2_bytes is None else l2_bytes
+    fitting = int(l2_bytes * _active.chunk_l2_fraction) // (n * elt_size)
+    return min(tiles, max(sms, fitting))
+
+
+def fused_backward(n) -> bool:
+    """Whether rows of ``n`` take the single-kernel backward (else the wide, column-blocked one)."""
+    return n <= _active.max_fused_bwd
+
+
+def backward(n) -> dict:
+    """Launch parameters of the single-kernel backward for rows of ``n`` (shared dict, as ``forward``)."""
+    return _backward_cached(n) if type(n) is int else _backward(n)
+
+
+def backward_grid(m: int, cfg: dict, sms: int, deterministic: bool) -> tuple[int, int, int]:
+    """``(programs, rows per program, partial buffers)`` of the single-kernel backward."""
+    tiles = cdiv(m, cfg["BLOCK_M"])
+    programs = min(tiles, _active.programs_per_sm * sms)
+    rows_per_program = cdiv(tiles, programs) * cfg["BLOCK_M"]
+    programs = cdiv(m, rows_per_program)
+    slots = programs if deterministic else min(programs, _active.max_group_size_m)
+    return programs, rows_per_program, slots
+
+
+def row_terms() -> dict:
+    """Launch parameters of the wide backward's row-terms kernel (one program per row, chunked)."""
+    return {"BLOCK_M": 1, "BLOCK_N": _active.chunk, "num_warps": _active.wide_warps}
+
+
+def wide_backward(m: int, n: int, sms: int) -> tuple[int, int, int, dict]:
+    """``(column blocks, row groups, rows per program, launch parameters)`` of the wide backward; each row
+    group writes its own partial buffer."""
+    s = _active
+    col_blocks = cdiv(n, s.wide_columns)
+    block_m = max(1, s.bwd_tile // s.wide_columns)
+    row_groups = max(1, min(cdiv(m, block_m), cdiv(s.programs_per_sm * sms, col_blocks)))
+    rows_per_program = cdiv(cdiv(m, row_groups), block_m) * block_m
+    row_groups = cdiv(m, rows_per_program)
+    return col_blocks, row_groups, rows_per_program, {"BLOCK_M": block_m, "BLOCK_N": s.wide_columns,
+                                                      "num_warps": s.wide_warps}
+
+
+def dwdb(n: int, slots: int) -> dict:
+    """Launch parameters of the final dW/dB sum over ``slots`` partial buffers (grid: column blocks)."""
+    block_n = min(_active.dwdb_block_n, next_pow2(n))
+    return {"BLOCK_S": min(32, next_pow2(slots)), "BLOCK_N": block_n, "num_warps": 4}
+
+
+def table(m: int = 4096, sms: int = 132, l2_bytes: int = 50 * 2**20, elt_size: int = 2) -> str:
+    """What ``python -m kernels.layernorm`` prints: the choices for a grid of widths at ``m`` rows (and at
+    M·N = 2^27) on a GPU of ``sms`` SMs and ``l2_bytes`` of L2 (default: an H100/H200), 16-bit inputs."""
+    lines = [f"{sms} SMs, {l2_bytes >> 20} MiB L2, {8 * elt_size}-bit inputs",
+             f"{'M':>7} {'N':>6}  {'forward (rows/prog, block, warps) x programs':<46} backward"]
+    for n in (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
+        for rows in sorted({m, 2**27 // n}):
+            f = forward(n)
+            fwd = (f"({f['BLOCK_M']}, {f['BLOCK_N']}, {f['num_warps']}w) x "
+                   f"{forward_programs(rows, n, f, elt_size, sms=sms, l2_bytes=l2_bytes)}"
+                   + ("" if f["SINGLE_PASS"] else " chunked"))
+            if fused_backward(n):
+                b = backward(n)
+                programs, per_program, slots = backward_grid(rows, b, sms, deterministic=False)
+                bwd = (f"({b['BLOCK_M']}, {b['BLOCK_N']}, {b['num_warps']}w) x {programs}, {per_program} rows each, "
+                       f"{slots} locked buffers")
+            else:
+                cols, groups, per_program, w = wide_backward(rows, n, sms)
+                bwd = f"wide: {cols} column blocks x {groups} row groups of {per_program} rows, {w['num_warps']}w"
+            lines.append(f"{rows:>7} {n:>6}  {fwd:<46} {bwd}")
+    return "\n".join(lines)
