@@ -1,108 +1,152 @@
 # ruff: noqa: B023  (each lambda is timed inside the iteration that defines it)
-"""A/B timing of the attention forward: this checkout's kernel against a baseline ``_kernels.py``, other
-candidate kernels, and forced launch tiles, beside FlexAttention.
+"""Interleaved A/B timing on the GPU: this checkout's kernels against another version of a family's
+``_kernels.py`` and against forced launch tiles, through the public call, in one process.
 
-    PYTHONPATH=$PWD python3 scripts/ab_attention_fwd.py BASELINE_KERNELS_PY [--rounds 7] [--dtypes float16]
-        [--lengths 1024,4096] [--dims 64,128] [--also NAME=KERNELS_PY ...] [--tile BM,BN,WARPS,STAGES ...]
+    python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
+        [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward]
+    python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
 
-e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py`` first. Every variant is the public
-``flash_attention`` call of the benchmark (same launcher, configs and grid) with one attribute of ``ops``
-replaced for the call: "base" and each ``--also`` candidate swap in their jit kernel; each ``--tile`` forces
-that forward tile on this checkout's kernel for 16-bit inputs at every length and mask (``--tile 128,64,8,3
---dims 64`` is the "this+128" variant of ``attention-fwd-ab-2026-11-22.txt``). Variants alternate within each
-of ROUNDS rounds (``benchmarks._harness.interleaved_medians``); each prints TFLOP/s of its median and its
-ratio to "base". Points: the TARGETS table's (B * S = 16k tokens, H * D = 2048), causal and not.
+Make the baseline first, e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py``; ``-`` as
+the baseline times this checkout alone against the forced tiles. The baseline runs through this checkout's
+launchers and launch tables (``ops.kernels_from``), so only the jit code differs; a ``--tile`` forces one
+attention kernel's tile (``fwd``, ``dkdv`` or ``dq``) through ``configs.override``. Variants alternate within
+each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is 10-17%, a side by
+side difference is not). Each variant's outputs must match the first's. Prints TFLOP/s (attention, B * S =
+16k tokens, H * D = 2048, causal and not) or GB/s (layernorm and RMSNorm, M * N = 2^27, bf16) and the
+ratio to the first variant.
 """
 
 from __future__ import annotations
 
+import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton is imported)
+
+# isort: split
+
 import argparse
+import contextlib
 import importlib.util
 
 import torch
 
-import kernels.attention.ops as ops
 from benchmarks._harness import interleaved_medians
-from benchmarks.bench_attention import _flex
-from kernels.attention import flash_attention
 
 
-def _load(path: str, name: str = "baseline"):
-    spec = importlib.util.spec_from_file_location(f"{name}_attention_kernels", path)
+def _load(path: str, family: str):
+    spec = importlib.util.spec_from_file_location(f"baseline_{family}_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module._attn_fwd_kernel
+    return module
 
 
-def _patched(**attributes):
-    """``flash_attention`` with ``ops``' named attributes replaced for the call (and restored after it)."""
-    def run(q, k, v, causal):
-        saved = {name: getattr(ops, name) for name in attributes}
-        for name, value in attributes.items():
-            setattr(ops, name, value)
-        try:
-            return flash_attention(q, k, v, causal=causal)
-        finally:
-            for name, value in saved.items():
-                setattr(ops, name, value)
-    return run
+def _variants(args) -> dict[str, contextlib.AbstractContextManager]:
+    """Name -> context manager under which the public call runs that variant (made afresh per call)."""
+    variants = {}
+    if args.baseline != "-":
+        import kernels.attention.ops as attention_ops
+        import kernels.layernorm.ops as layernorm_ops
+
+        ops = attention_ops if args.family == "attention" else layernorm_ops
+        baseline = _load(args.baseline, args.family)
+        variants["base"] = lambda: ops.kernels_from(baseline)
+    variants["this"] = contextlib.nullcontext
+    for spec in args.tile:
+        from kernels.attention import configs
+
+        kernel, numbers = spec.split(":")
+        forced = configs.Tile(*(int(x) for x in numbers.split(",")))
+        variants[spec] = lambda kernel=kernel, forced=forced: configs.override(
+            lambda q, t: forced if q.kernel == kernel and q.dtype == "16-bit" else t)
+    return variants
 
 
-def _forced_tile(tile: str):
-    """``ops._config`` with the forward's (BLOCK_M, BLOCK_N, warps, stages) replaced for 16-bit inputs."""
-    block_m, block_n, warps, stages = (int(x) for x in tile.split(","))
-    table_config = ops._config
+def _timed(variants, run, rounds: int, label: str) -> dict[str, float]:
+    first = next(iter(variants))
+    with variants[first]():
+        reference = [t.float() for t in run()]
 
-    def config(kernel, d, dtype, *rest, **options):
-        cfg = table_config(kernel, d, dtype, *rest, **options)
-        if kernel == "fwd" and dtype != torch.float32 and cfg["BLOCK_D"] <= 256:
-            cfg.update(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        return cfg
-    return config
+    def check(name):
+        with variants[name]():
+            got = run()
+        for g, r in zip(got, reference, strict=True):
+            err = (g.float() - r).abs().max().item()
+            if err > 2e-2 * max(1.0, r.abs().max().item()):
+                raise AssertionError(f"{label}: max |{name} - {first}| = {err:.3g}")
+
+    def runner(name):
+        def go():
+            with variants[name]():
+                return run()
+        return go
+
+    return interleaved_medians({name: runner(name) for name in variants}, rounds, check=check, label=label)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("baseline")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--dtypes", default="float16")
-    ap.add_argument("--lengths", default="1024,4096")
-    ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--also", action="append", default=[], metavar="NAME=KERNELS_PY")
-    ap.add_argument("--tile", action="append", default=[], metavar="BM,BN,WARPS,STAGES")
-    args = ap.parse_args()
-    variants = {"base": _patched(_attn_fwd_kernel=_load(args.baseline)), "this": _patched()}
-    for spec in args.also:
-        name, path = spec.split("=", 1)
-        variants[name] = _patched(_attn_fwd_kernel=_load(path, name))
-    for tile in args.tile:
-        variants[f"({tile})"] = _patched(_config=_forced_tile(tile))
+def _attention(args, variants) -> None:
+    from kernels.attention import flash_attention
 
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: forward TFLOP/s, median of {args.rounds} "
-          f"alternating rounds")
-    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
-        for d in (int(x) for x in args.dims.split(",")):
-            for s in (int(x) for x in args.lengths.split(",")):
-                b, h = 16384 // s, 2048 // d
-                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
-                for causal in (False, True):
-                    flex = _flex(s, causal)
-                    reference = variants["base"](q, k, v, causal).float()
+    dtype = getattr(torch, args.dtype)
+    for d in (int(x) for x in args.dims.split(",")):
+        for s in (int(x) for x in args.lengths.split(",")):
+            b, h = 16384 // s, 2048 // d
+            q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(4))
+            for causal in (False, True):
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                if args.backward:
+                    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+                    run = lambda: torch.autograd.grad(flash_attention(qg, kg, vg, causal=causal), (qg, kg, vg), do)
+                    flops *= 3.5  # forward + backward (2.5x)
+                else:
+                    run = lambda: (flash_attention(q, k, v, causal=causal),)
+                label = f"D={d} S={s} {'causal' if causal else 'full'}"
+                medians = _timed(variants, run, args.rounds, label)
+                _print(label, medians, {name: flops / ms / 1e9 for name, ms in medians.items()}, "TFLOP/s")
 
-                    def check(name):
-                        if name in variants:
-                            err = (variants[name](q, k, v, causal).float() - reference).abs().max().item()
-                            if err > 1e-2:
-                                raise AssertionError(f"max |{name} - base| = {err:.3g}")
 
-                    runs = {name: (lambda fn=fn: fn(q, k, v, causal)) for name, fn in variants.items()}
-                    runs["flex"] = lambda: flex(q, k, v)
-                    medians = interleaved_medians(runs, args.rounds, check=check, label=f"D={d} S={s} ")
-                    flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                    cells = "  ".join(f"{name} {flops / t / 1e9:5.1f} ({medians['base'] / t:5.3f})"
-                                      for name, t in medians.items())
-                    print(f"{str(dtype)[6:]:8s} D={d:3d} S={s:5d} {'causal' if causal else 'full  '}  {cells}",
-                          flush=True)
+def _layernorm(args, variants) -> None:
+    from kernels.layernorm import layer_norm, rms_norm
+
+    for kind in ("layer", "rms"):
+        for n in (int(x) for x in args.widths.split(",")):
+            m = 2**27 // n
+            x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            w = (torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5).requires_grad_(True)
+            dy = torch.randn_like(x)
+
+            def fwd():
+                return layer_norm(x, n, w) if kind == "layer" else rms_norm(x, n, w)
+
+            y = fwd()
+            for direction, run, moved in (("fwd", lambda: (fwd(),), 2), ("bwd", lambda: torch.autograd.grad(
+                    y, (x, w), dy, retain_graph=True), 3)):
+                label = f"{kind} N={n} {direction}"
+                medians = _timed(variants, run, args.rounds, label)
+                _print(label, medians, {name: moved * m * n * 2 / ms / 1e6 for name, ms in medians.items()}, "GB/s")
+
+
+def _print(label, medians, rates, unit) -> None:
+    first = next(iter(medians))
+    cells = "  ".join(f"{name} {rate:7.1f} ({medians[first] / medians[name]:5.3f})" for name, rate in rates.items())
+    print(f"{label:28s} {unit}: {cells}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("family", choices=("attention", "layernorm"))
+    parser.add_argument("baseline", help="another version of the family's _kernels.py, or - for none")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtype", default="bfloat16", help="attention inputs (layernorm: bf16)")
+    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--lengths", default="1024,4096")
+    parser.add_argument("--backward", action="store_true", help="attention: time forward + backward")
+    parser.add_argument("--tile", action="append", default=[], metavar="KERNEL:BM,BN,WARPS,STAGES",
+                        help="attention: force one kernel's tile for 16-bit inputs (repeatable)")
+    parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
+    args = parser.parse_args(argv)
+    variants = _variants(args)
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: medians of {args.rounds} alternating "
+          f"rounds; (ratio) = first variant's time / this variant's")
+    (_attention if args.family == "attention" else _layernorm)(args, variants)
 
 
 if __name__ == "__main__":

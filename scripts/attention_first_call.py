@@ -2,7 +2,7 @@
 cache (a later process), and a warm call. The launch tables are fixed (no autotuning), so the first call
 pays only for compiling the kernels its shape needs, once per machine.
 
-    PYTHONPATH=$PWD python3 scripts/attention_first_call.py
+    python3 -m scripts.attention_first_call [--dims 64,128]
 
 Each case (head dim, causal) runs in two fresh processes sharing one new ``TRITON_CACHE_DIR``: the first
 compiles, the second finds the kernels on disk. A case times forward + backward (synchronised) of
@@ -11,11 +11,18 @@ B = 4, H = 16, S = 4096, fp16: the first call, then the second call in the same 
 
 from __future__ import annotations
 
+import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton is imported)
+
+# isort: split
+
+import argparse
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # the case imports kernels from the checkout
 CASE = """
 import time, torch
 from kernels.attention import flash_attention
@@ -33,15 +40,19 @@ print(f"{{times[0]:.3f}} {{times[1] * 1e3:.2f}}")
 """
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dims", default="64,128", help="head dims to time")
+    args = parser.parse_args(argv)
     print("first call (s) and second call (ms) of forward + backward, B=4 H*D=2048 S=4096 fp16, per process")
-    for d in (64, 128):
+    for d in (int(x) for x in args.dims.split(",")):
         for causal in (False, True):
             with tempfile.TemporaryDirectory() as cache:
                 env = {**os.environ, "TRITON_CACHE_DIR": cache}
                 cells = []
                 for label in ("compile", "disk cache"):
-                    out = subprocess.run([sys.executable, "-c", CASE.format(d=d, causal=causal)], env=env,
+                    out = subprocess.run([sys.executable, "-c", CASE.format(d=d, causal=causal)], env=env, cwd=ROOT,
                                          capture_output=True, text=True, check=True).stdout.split()
                     cells.append(f"{label}: first {float(out[0]):6.2f} s, second {float(out[1]):6.2f} ms")
                 print(f"D={d:3d} causal={causal!s:5s}  " + "  |  ".join(cells), flush=True)

@@ -1,13 +1,17 @@
 """Peak extra memory and time of attention forward + backward: ours vs naive vs SDPA's backends.
 
-    python3 scripts/attention_memory.py [--out attention-memory.md]
+    python3 -m scripts.attention_memory [--out attention-memory.md]
 
 "Peak extra" is ``max_memory_allocated`` during one forward + backward minus what the inputs and the
 incoming gradient already hold: activations saved for backward, workspaces, the gradients themselves.
-Points: TARGETS.md's (B=4, H=16, S=4096, D=64, causal) and the user's D=1024 point (B=4, H=1, S=1024).
+Points: B=4, H=16, S=4096, D=64, causal (the memory comparison of the README) and D=1024 (B=4, H=1, S=1024).
 """
 
 from __future__ import annotations
+
+import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton is imported)
+
+# isort: split
 
 import argparse
 
@@ -49,7 +53,8 @@ def measure(fn, b, h, s, d, dtype):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention-memory.md")
     args = parser.parse_args()
     dtype = torch.bfloat16

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: environment report, the CUDA test suite, the benchmarks.
+# One run on a GPU machine: environment report, the CUDA test suite, the benchmarks.
 #
 #   bash scripts/gpu_check.sh [family ...]      # family: dropout | layernorm | attention (default: all);
 #                                               # any name N selects tests/test_N*.py (integration, gpt, swap, common)
 #
 # Uses the machine's own python3 (no network, no nox). Writes under $OUT (default ./gpu-out):
 #   env.txt, tests.log (summaries), tests_all.log (every shard's output), bench.log, results.tgz (benchmarks/results/<gpu>/ of this run), summary.md
-# Knobs: EXAMPLE=1 (then the GPT example's step times, eager and compiled, both backends: gpt-*.txt), SHARDS=16 (test processes; the attention suite took 540 s with 15 on the H200, near the 600 s limit of one device call), SKIP_TESTS=1, SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args).
+# Knobs: EXAMPLE=1 (then the GPT example's step times, eager and compiled, both backends: gpt-*.txt),
+#   SHARDS=16 (test processes side by side), SHARD_RANGE=a:b (run only shards a..b-1 of SHARDS, to split a
+#   long suite over several calls: the attention suite takes 8-10 minutes on 16 shards), SKIP_TESTS=1,
+#   SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args).
 # Exit status: non-zero when the tests or the benchmarks failed.
 set -uo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 FAMILIES=("$@")
@@ -16,8 +20,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export FUSED_KERNELS_RESULTS_DIR="$OUT/results"
 
-# Peers carried as wheels (the GPU machine has no network): `.whl/` is git-ignored and passed with
-# `carry`; see the README of the device tool. Installed into a private folder, never over the image.
+# Peers that are not installed on a GPU machine without network (Liger) come as wheels in the git-ignored
+# `.whl/` folder; they go into a private folder, never over the machine's own packages.
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fk-site .whl/*.whl \
     && export PYTHONPATH="/tmp/fk-site${PYTHONPATH:+:$PYTHONPATH}"
@@ -48,23 +52,27 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # summaries.
   start=$(date +%s)
   shards=${SHARDS:-16}
-  pids=()
-  for ((i = 0; i < shards; i++)); do
+  range=${SHARD_RANGE:-0:$shards}
+  first=${range%%:*} last=${range##*:}
+  logs=$(mktemp -d)  # shard logs stay out of $OUT until gathered into one file
+  pids=() ids=()
+  for ((i = first; i < last; i++)); do
     # shellcheck disable=SC2086
     FK_TEST_SHARD="$i/$shards" python3 -m pytest $tests_target -q -p no:cacheprovider ${TEST_ARGS:-} \
-      > "$OUT/tests-$i.log" 2>&1 &
-    pids+=($!)
+      > "$logs/tests-$i.log" 2>&1 &
+    pids+=($!) ids+=("$i")
   done
   : > "$OUT/tests.log"
-  for i in "${!pids[@]}"; do
-    wait "${pids[$i]}"
+  for j in "${!pids[@]}"; do
+    wait "${pids[$j]}"
     rc=$?
-    { echo "== shard $i/$shards: exit $rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-$i.log" | tail -n 20; } \
+    i=${ids[$j]}
+    { echo "== shard $i/$shards: exit $rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$logs/tests-$i.log" | tail -n 20; } \
       | tee -a "$OUT/tests.log"
     [ "$rc" = 0 ] || [ "$rc" = 5 ] || status=1  # 5: nothing collected (no bf16 under the interpreter)
   done
   echo "tests: $([ $status = 0 ] && echo ok || echo FAILED) in $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.log"
-  cat "$OUT"/tests-*.log > "$OUT/tests_all.log" && rm -f "$OUT"/tests-*.log  # the device returns 8 files at most
+  cat "$logs"/tests-*.log > "$OUT/tests_all.log"
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ] && [ -n "$bench_target" ]; then

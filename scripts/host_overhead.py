@@ -1,6 +1,6 @@
 """Host cost per call of the LayerNorm path, layer by layer, beside torch's, on the GPU.
 
-    python3 scripts/host_overhead.py [--m 4096] [--n 1024,4096,16384] [--dtype bfloat16]
+    python3 -m scripts.host_overhead [--m 4096] [--n 1024,4096,16384] [--dtype bfloat16]
 
 At M = 4096 a LayerNorm moves 8-130 MB: 2-30 us of memory time, the same order as a Python launch. This
 times each layer of our path with the GPU kept busy elsewhere out of the picture: ``calls`` back-to-back
@@ -13,6 +13,10 @@ its ATen backward; and ``.backward()`` through autograd, ours and torch's, as th
 
 from __future__ import annotations
 
+import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton is imported)
+
+# isort: split
+
 import argparse
 
 import torch
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 
 import kernels.layernorm.ops as ops
 from benchmarks._harness import graph_us, host_us
-from kernels.layernorm import layer_norm
+from kernels.layernorm import configs, layer_norm
 
 
 def report(m: int, n: int, dtype: torch.dtype) -> None:
@@ -33,7 +37,7 @@ def report(m: int, n: int, dtype: torch.dtype) -> None:
     y_torch = F.layer_norm(xg, (n,), wg, bg)
     _, mean, rstd = ops._norm_fwd_impl(x, w, b, 1e-5, False)
     _, t_mean, t_rstd = torch.ops.aten.native_layer_norm(x, (n,), w, b, 1e-5)
-    cfg = ops._fwd_config(n)
+    cfg = configs.forward(n)
     y = torch.empty_like(x)
     grid = (ops.cdiv(m, cfg["BLOCK_M"]),)
 
@@ -80,7 +84,8 @@ def report(m: int, n: int, dtype: torch.dtype) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, default=4096)
     parser.add_argument("--n", default="1024,4096,16384")
     parser.add_argument("--dtype", default="bfloat16")

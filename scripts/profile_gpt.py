@@ -1,6 +1,6 @@
 """Where a training step of the GPT example goes, per backend: torch.profiler over a few eager steps.
 
-    python3 scripts/profile_gpt.py [--steps 5] [--dropout 0.1] [--batch 16] [--seq 256]
+    python3 -m scripts.profile_gpt [--steps 5] [--dropout 0.1] [--batch 16] [--seq 256]
 
 Prints, for each backend, the wall time per step, the GPU kernel time per step (sum of kernel durations;
 when it is well under the wall time the step is bound by the host) and the kernels that take the most GPU
@@ -9,13 +9,13 @@ time, grouped by name.
 
 from __future__ import annotations
 
+import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton is imported)
+
+# isort: split
+
 import argparse
-import pathlib
-import sys
 
 import torch
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks._harness import host_us
 from examples.gpt import GPT, add_model_arguments, batches, config_from_arguments, load_corpus
@@ -95,7 +95,8 @@ def op_host_costs(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=10)
     add_model_arguments(parser)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer over a slice of each family's CUDA tests, on the GPU machine (one device call).
+# compute-sanitizer over a slice of each family's CUDA tests, on a GPU machine.
 #
 #   OUT=/some/dir bash scripts/sanitize.sh [memcheck|racecheck ...]     # default: memcheck racecheck
 #
@@ -7,9 +7,9 @@
 # views, empty and width-one rows), both backward paths of the norms, and for attention every loop edge
 # at small blocks plus the production launch tables at odd lengths (head dims up to 192, packed
 # batches); the slowest cases (head dims >= 512, fp32 packed batches, 100-run repeats) are left out so
-# that each run ends within one device call under the sanitizer. Each (tool, family) slice is
+# that each run ends within about ten minutes under the sanitizer. Each (tool, family) slice is
 # split into shards (FK_TEST_SHARD, see tests/conftest.py) that run as processes side by side, so that
-# the slowest one ends within one device call. Writes $OUT/sanitize.txt (each run's "passed" and
+# the slowest one ends within about ten minutes. Writes $OUT/sanitize.txt (each run's "passed" and
 # "SUMMARY" lines) and $OUT/sanitize-logs.txt (the head and tail of every run). Knobs: SANITIZE_TIMEOUT (seconds
 # per run, default 540), FAMILIES (default "dropout layernorm attention"), SHARDS_<family>_<tool>
 # (shards of one slice; defaults below), RUNS (only these runs, named <tool>-<family>-<shard>, e.g.
@@ -17,6 +17,7 @@
 # compute-sanitizer options, e.g. "--racecheck-report hazard --print-limit 20" for the values each
 # racing thread wrote).
 set -uo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"

@@ -1,17 +1,22 @@
 # ruff: noqa: B023  (each lambda is timed immediately, inside the iteration that defines it)
-"""Attention launch-config sweep on the GPU: each kernel timed alone, beside SDPA's flash and cuDNN
-backends in the same run, at the points of TARGETS.md (B * S = 16k tokens, H * D = 2048).
+"""Attention launch-tile sweep on the GPU, beside SDPA's flash and cuDNN backends in the same run, at the
+benchmark's points (B * S = 16k tokens, H * D = 2048).
 
-    python3 scripts/sweep_attention.py [--dtype float16] [--out sweep.jsonl]
+    python3 -m scripts.sweep_attention [--dtype float16] [--out sweep.jsonl] [--dims 64,128] [--seqs 1024,4096]
+        [--fwd-only] [--fwd-configs "128,64,8,3;64,64,4,3"] [--window 1024]
 
-For every point, times the forward kernel and the two main backward kernels (dK/dV, dQ) over a list of
-(BLOCK_M, BLOCK_N, num_warps, num_stages) configurations, plus the preprocess kernel. Prints the best
-configuration per kernel and the TFLOP/s of forward and backward built from the best ones, against
-SDPA-flash and cuDNN. Configurations that do not fit (shared memory, registers) are reported and skipped.
-Chooses the tables in ``kernels/attention/ops.py``; the numbers go to the family README.
+For every point, times the public forward with each candidate forward tile, and the public backward (as
+two launches) with each candidate dK/dV tile and each dQ tile, the other kernels at their table tiles
+(``kernels.attention.configs.override``). Prints the best tile per kernel, the TFLOP/s of forward and of
+the backward with both best tiles, against SDPA-flash and cuDNN. Tiles that do not fit (shared memory,
+registers) are reported and skipped. What it finds goes into ``configs.ROWS`` and the family's TUNING.md.
 """
 
 from __future__ import annotations
+
+import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton is imported)
+
+# isort: split
 
 import argparse
 import json
@@ -21,8 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-import kernels.attention.ops as ops
-from kernels.attention import flash_attention
+from kernels.attention import configs, flash_attention
 
 FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4),
        (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (64, 64, 8, 2)]
@@ -36,17 +40,16 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def cfg_of(block_m, block_n, warps, stages, d):
-    block_d = ops._block_d(d)
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "EVEN_D": d == block_d,
-            "num_warps": warps, "num_stages": stages}
-
-
-def sweep(label, configs, d, run):
+def sweep(label, kernel, candidates, run):
+    """``[(ms, tile)]`` sorted, for ``run()`` timed with ``kernel``'s tile forced to each candidate (16-bit
+    inputs; the backward as two launches, so a dK/dV or dQ candidate is timed beside the table's other half)."""
     rows = []
-    for c in configs:
+    for c in candidates:
+        forced = configs.Tile(*c)
+        two_launches = None if kernel == "fwd" else False
         try:
-            ms = bench(lambda: run(cfg_of(*c, d)))
+            with configs.override(lambda q, t: forced if q.kernel == kernel else t, fuse=two_launches):
+                ms = bench(run)
         except Exception as err:  # out of resources and the like: report, go on
             print(f"    {label} {c}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
             continue
@@ -100,15 +103,12 @@ def main() -> None:
                 for causal in (False, True) if args.window < 0 else (True,):
                     b, h = 16384 // s, 2048 // d
                     q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(4))
-                    scale = 1 / math.sqrt(d)
-                    left, right = args.window, 0 if causal else -1  # the band (ops._band)
+                    left, right = args.window, 0 if causal else -1
                     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
                     if args.window >= 0:  # visible pairs of the band only
                         flops = 4 * b * h * d * sum(min(i, args.window) + 1 for i in range(s))
-                    o = torch.empty_like(q)
-                    lse = torch.empty((b, h, s), device="cuda", dtype=torch.float32)
-                    fwd = sweep("fwd", fwd_configs, d,
-                                lambda c: ops._launch_fwd(q, k, v, o, lse, left, right, scale, c))
+                    fwd = sweep("fwd", "fwd", fwd_configs,
+                                lambda: flash_attention(q, k, v, window_size=(left, right)))
                     if args.fwd_only:
                         public_ms = bench(lambda: flash_attention(q, k, v, window_size=(left, right)))
                         flash_fwd_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
@@ -117,21 +117,23 @@ def main() -> None:
                               + f"  | flash_attention() {flops / public_ms / 1e9:5.0f}"
                               + f"  sdpa default {flops / flash_fwd_ms / 1e9:5.0f}", flush=True)
                         continue
-                    ops._launch_fwd(q, k, v, o, lse, left, right, scale, ops._config("fwd", d, dtype))
-                    delta = torch.empty_like(lse)
-                    pre_ms = bench(lambda: ops._launch_bwd_preprocess(o, do, delta))
-                    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                    dkdv = sweep("dkdv", DKDV, d, lambda c: ops._launch_bwd(
-                        do, q, k, v, lse, delta, None, dk, dv, left, right, scale, c, None))
-                    dqr = sweep("dq", DQ, d, lambda c: ops._launch_bwd(
-                        do, q, k, v, lse, delta, dq, None, None, left, right, scale, None, c))
+                    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+                    out = flash_attention(qg, kg, vg, window_size=(left, right))
+
+                    def backward():
+                        return torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+
+                    dkdv = sweep("dkdv", "dkdv", DKDV, backward)
+                    dqr = sweep("dq", "dq", DQ, backward)
                     flash = sdpa_times(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
                     cudnn = sdpa_times(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
 
                     def tf(ms, mult=1.0):
                         return None if ms is None else flops * mult / ms / 1e9
 
-                    bwd_ms = pre_ms + dkdv[0][0] + dqr[0][0]
+                    with configs.override(lambda q, t: configs.Tile(*(dkdv[0][1] if q.kernel == "dkdv" else
+                                                                     dqr[0][1] if q.kernel == "dq" else t))):
+                        bwd_ms = bench(backward)  # both best tiles together, one launch if they agree
                     rec = {
                         "D": d, "S": s, "causal": causal, "dtype": args.dtype,
                         "fwd_best": fwd[0][1], "fwd_tflops": tf(fwd[0][0]),
@@ -139,7 +141,7 @@ def main() -> None:
                         "dkdv_best": dkdv[0][1], "dkdv_ms": dkdv[0][0],
                         "dkdv_all": [(c, round(ms, 4)) for ms, c in dkdv],
                         "dq_best": dqr[0][1], "dq_ms": dqr[0][0], "dq_all": [(c, round(ms, 4)) for ms, c in dqr],
-                        "pre_ms": pre_ms, "bwd_tflops": tf(bwd_ms, 2.5),
+                        "bwd_tflops": tf(bwd_ms, 2.5),
                         "flash": [tf(flash[0]), tf(flash[1], 2.5)], "cudnn": [tf(cudnn[0]), tf(cudnn[1], 2.5)],
                     }
                     log.write(json.dumps(rec) + "\n")
@@ -147,7 +149,7 @@ def main() -> None:
                     fl = rec["flash"]
                     print(f"D={d:3} S={s:5} causal={causal!s:5}  fwd {rec['fwd_tflops']:5.0f} {fwd[0][1]}"
                           f"  bwd {rec['bwd_tflops']:5.0f} (dkdv {dkdv[0][1]} {dkdv[0][0]:.3f} ms,"
-                          f" dq {dqr[0][1]} {dqr[0][0]:.3f} ms, pre {pre_ms:.3f} ms)"
+                          f" dq {dqr[0][1]} {dqr[0][0]:.3f} ms)"
                           f"  flash {fl[0] or 0:5.0f}/{fl[1] or 0:5.0f}"
                           f"  cudnn {rec['cudnn'][0] or 0:5.0f}/{rec['cudnn'][1] or 0:5.0f}"
                           f"  ratio fwd {rec['fwd_tflops'] / (fl[0] or math.inf):.2f}"

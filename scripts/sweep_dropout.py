@@ -1,20 +1,24 @@
-"""Dropout on the GPU: launch-config sweep and per-call CPU overhead.
+"""Dropout on the GPU: launch-setting sweep and per-call host overhead.
 
-    python3 scripts/sweep_dropout.py [n_log2=27]
+    python3 -m scripts.sweep_dropout [--log2n 27] [--profile]
 
 1. GB/s per (dtype, chunks, warps) beside the device-to-device copy bandwidth measured in the same run,
    with the compiler's register/spill counts and the count of wide multiplies in the PTX. Chooses
-   ``kernels/dropout/ops.py::_launch_config``.
+   ``kernels/dropout/configs.py``.
 2. Microseconds of host time per call on a tiny tensor (the GPU idles; only the Python/dispatch path is
    timed) for the raw kernel launch, our public function with and without autograd, the registered op,
    and torch's dropout.
 
-The numbers go to the family README.
+3. With ``--profile``, cProfile of the eager call path. The numbers go to the family's TUNING.md.
 """
 
 from __future__ import annotations
 
-import sys
+import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton is imported)
+
+# isort: split
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +26,9 @@ import triton
 import triton.testing
 
 from benchmarks._harness import host_us
-from kernels.dropout import dropout
-from kernels.dropout._kernels import LANE_STRIDE_ELEMENTS, _dropout_fwd_kernel
-from kernels.dropout.ops import keep_threshold
+from kernels._common.seed import int32_word
+from kernels.dropout import LANE_STRIDE, dropout, keep_threshold
+from kernels.dropout._kernels import _dropout_fwd_kernel
 
 
 def copy_bandwidth(numel: int) -> float:
@@ -44,8 +48,8 @@ def sweep(n: int) -> None:
         y = torch.empty_like(x)
         for chunks in (1, 2):
             for warps in (2, 4, 8):
-                grid = (triton.cdiv(n, 4 * LANE_STRIDE_ELEMENTS * chunks),)
-                args = (x, y, n, 0x1234, 0x5678, keep_threshold(0.5), 2.0)
+                grid = (triton.cdiv(n, 4 * LANE_STRIDE * chunks),)
+                args = (x, y, n, 0x1234, 0x5678, x, 0, int32_word(keep_threshold(0.5)), 2.0)
                 meta = {"CHUNKS": chunks, "num_warps": warps}
                 compiled = _dropout_fwd_kernel[grid](*args, **meta)
                 ms = triton.testing.do_bench(lambda: _dropout_fwd_kernel[grid](*args, **meta),  # noqa: B023
@@ -61,7 +65,7 @@ def overhead() -> None:
     xg = x.clone().requires_grad_(True)
     y = torch.empty_like(x)
     grid = (1,)
-    args = (x, y, x.numel(), 1234, 0, keep_threshold(0.5), 2.0)
+    args = (x, y, x.numel(), 1234, 0, x, 0, int32_word(keep_threshold(0.5)), 2.0)
     dy = torch.randn_like(x)
     out_ours, out_torch = dropout(xg, 0.5), F.dropout(xg, 0.5, True)
     cases = {
@@ -78,8 +82,6 @@ def overhead() -> None:
     print("\nhost time per call, 4096 fp16 elements (us)")
     for name, fn in cases.items():
         print(f"  {name:<34} {host_us(fn, calls=3000, warmup=200):7.1f}")
-
-
 
 
 def profile(calls: int = 2000) -> None:
@@ -100,10 +102,17 @@ def profile(calls: int = 2000) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["profile"]:
-        overhead()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log2n", type=int, default=27, help="elements of the sweep: 2**log2n")
+    parser.add_argument("--profile", action="store_true", help="also cProfile the eager call path")
+    args = parser.parse_args(argv)
+    sweep(1 << args.log2n)
+    overhead()
+    if args.profile:
         profile()
-    else:
-        sweep(1 << int(sys.argv[1] if len(sys.argv) > 1 else 27))
-        overhead()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,22 +1,36 @@
 # ruff: noqa: B023  (each lambda is timed immediately, inside the iteration that defines it)
-"""LayerNorm/RMSNorm backward launch-config sweep on the GPU (kernel time only, bf16, M * N = 2**27).
+"""LayerNorm/RMSNorm launch-setting sweep on the GPU: % of the copy bandwidth at M * N = 2^27, bf16.
 
-    python3 scripts/sweep_layernorm.py
+    python3 -m scripts.sweep_layernorm [--direction fwd,bwd] [--widths 256,1024,...] [--kinds layer,rms]
 
-Varies the module-level constants of the register-path backward in ``kernels/layernorm/ops.py`` (tile
-size, elements per thread, so num_warps, and the pipelining depth of the row loop) and times
-``_norm_bwd_impl`` with do_bench beside the copy bandwidth measured in the same run. The forward has its
-own sweep (``sweep_layernorm_fwd.py``). Chooses the constants; the numbers go to the family README.
+For each width, times the public call (forward, or backward through autograd) under each candidate set of
+``kernels.layernorm.configs.Settings`` (through ``configs.override``) beside the current settings, and prints
+the best few with the device-to-device copy bandwidth measured in the same run. Forward candidates: the
+forward tile and elements per thread (register path) and the L2 fraction and warps of the chunked path;
+backward candidates: the backward tile, elements per thread and row-loop pipelining depth. What it finds
+goes into ``configs.Settings`` and the family's TUNING.md.
 """
 
 from __future__ import annotations
 
+import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton is imported)
+
+# isort: split
+
+import argparse
 import itertools
 
 import torch
 import triton.testing
 
-import kernels.layernorm.ops as ops
+from kernels.layernorm import configs, layer_norm, rms_norm
+
+FWD_CANDIDATES = [{"fwd_tile": tile, "fwd_elements_per_thread": ept} for tile, ept in
+                  itertools.product((2048, 4096, 8192), (16, 32, 64))]
+FWD_CHUNKED_CANDIDATES = [{"chunk_l2_fraction": frac, "chunk_warps": warps} for frac, warps in
+                          itertools.product((0.0, 0.25, 0.5, 1.0), (8, 16))]
+BWD_CANDIDATES = [{"bwd_tile": tile, "bwd_elements_per_thread": ept, "bwd_loop_stages": stages}
+                  for tile, ept, stages in itertools.product((2048, 4096, 8192), (8, 16, 32), (2, 3))]
 
 
 def copy_gbps() -> float:
@@ -26,39 +40,50 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 4 / ms / 1e6
 
 
-def bandwidth_inputs(n: int, is_rms: bool):
-    """``(m, x, w, b)`` of the bandwidth sweep: M*N = 2^27 bf16 elements, rows of ``n``; no bias for RMSNorm."""
-    m = (1 << 27) // n
-    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
-    b = None if is_rms else torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    return m, x, w, b
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--direction", default="fwd,bwd")
+    parser.add_argument("--widths", default="256,512,1024,2048,4096,8192,16384,32768,65536")
+    parser.add_argument("--kinds", default="layer,rms")
+    parser.add_argument("--top", type=int, default=4, help="best candidates printed per width")
+    args = parser.parse_args(argv)
     ceiling = copy_gbps()
-    print(f"{torch.cuda.get_device_name()}  copy {ceiling:.0f} GB/s  (% of copy, bwd, bf16, M*N = 2^27)")
-    defaults = ops._BWD_TILE, ops._BWD_ELEMENTS_PER_THREAD, ops._BWD_LOOP_STAGES
-    for kind, n in itertools.product(("layer", "rms"), (256, 512, 1024, 2048, 4096, 8192)):
-        is_rms = kind == "rms"
-        m, x, w, b = bandwidth_inputs(n, is_rms)
-        dy = torch.randn_like(x)
-        _, mean, rstd = ops._norm_fwd_impl(x, w, b, 1e-5, is_rms)
+    print(f"{torch.cuda.get_device_name()}  copy {ceiling:.0f} GB/s  (% of copy, bf16, M*N = 2^27)")
+    for direction, kind, n in itertools.product(args.direction.split(","), args.kinds.split(","),
+                                                (int(w) for w in args.widths.split(","))):
+        m = 2**27 // n
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=direction == "bwd")
+        w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+        def fwd():
+            return layer_norm(x, n, w) if kind == "layer" else rms_norm(x, n, w)
+
+        if direction == "fwd":
+            candidates = FWD_CANDIDATES if configs.forward(n)["SINGLE_PASS"] else FWD_CHUNKED_CANDIDATES
+            moved = 2
+        else:
+            candidates = BWD_CANDIDATES if configs.fused_backward(n) else []
+            moved = 3
         rows = []
-        for tile, ept, stages in itertools.product((2048, 4096, 8192), (8, 16, 32), (2, 3)):
-            if tile < n or not 1 <= tile // (32 * ept) <= 16:
-                continue
-            ops._BWD_TILE, ops._BWD_ELEMENTS_PER_THREAD, ops._BWD_LOOP_STAGES = tile, ept, stages
-            ops._cached_bwd_config.cache_clear()
-            cfg = ops._bwd_config(n)
-            ms = triton.testing.do_bench(lambda: ops._norm_bwd_impl(dy, x, w, mean, rstd, is_rms, not is_rms, False),
-                                         return_mode="median")
-            rows.append((3 * m * n * 2 / ms / 1e6 / ceiling, tile, cfg["num_warps"], stages))
-        ops._BWD_TILE, ops._BWD_ELEMENTS_PER_THREAD, ops._BWD_LOOP_STAGES = defaults
-        ops._cached_bwd_config.cache_clear()
-        cells = "  ".join(f"{r[0]:.0%} (tile {r[1]}, {r[2]} warps, {r[3]} stages)"
-                          for r in sorted(rows, key=lambda r: -r[0])[:4])
-        print(f"{kind:5} N={n:5}  default {ops._bwd_config(n)}\n      {cells}", flush=True)
+        for changes in [{}, *candidates]:
+            with configs.override(**changes):
+                if direction == "fwd":
+                    run = fwd
+                else:
+                    y = fwd()
+                    run = lambda: torch.autograd.grad(y, x, dy, retain_graph=True)
+                try:
+                    ms = triton.testing.do_bench(run, return_mode="median")
+                except Exception as err:  # out of resources and the like: report, go on
+                    print(f"    {changes}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+                    continue
+            rows.append((moved * m * n * 2 / ms / 1e6 / ceiling, changes))
+        current = rows[0][0]
+        best = "  ".join(f"{frac:.0%} {changes or 'current'}" for frac, changes in sorted(rows, key=lambda r: -r[0])
+                         [:args.top])
+        print(f"{direction} {kind:5} N={n:5}  current {current:.0%}  best: {best}", flush=True)
 
 
 if __name__ == "__main__":

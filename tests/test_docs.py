@@ -1,0 +1,101 @@
+"""The documentation matches the repository and stands alone.
+
+- Every file path and every backticked private name (``_name``) that a README, a TUNING.md or a kernel
+  file's header mentions exists: a renamed kernel or a moved record fails here, not in a reader's hands.
+- No file points outside the repository for what a target or a rule means: no planning documents that
+  are not in it, no issue-tracker numbers.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATH_LIKE = re.compile(r"^[\w./*<>-]+\.(py|md|sh|txt|json|png|toml|jsonl)$"
+                       r"|^(kernels|reference|tests|benchmarks|scripts|examples|constraints|\.ci)/[\w./<>*-]*$")
+PRIVATE_NAME = re.compile(r"^(?:[\w.]+\.)?(_[A-Za-z]\w*)(?:\(.*\))?$")
+
+
+def _tracked(*patterns: str) -> list[Path]:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (a copy of the working tree): the docs are checked in CI")
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", *patterns], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return [ROOT / p for p in out if (ROOT / p).is_file()]
+
+
+def _documents() -> list[Path]:
+    docs = [p for p in _tracked("*.md") if "benchmarks/results" not in p.as_posix()]
+    return docs + sorted(ROOT.glob("kernels/*/_kernels.py")) + sorted(ROOT.glob("kernels/_common/*.py"))
+
+
+def _text_of(doc: Path) -> str:
+    """A Markdown file whole; a Python file's module docstring (its header)."""
+    if doc.suffix == ".md":
+        return doc.read_text()
+    return ast.get_docstring(ast.parse(doc.read_text())) or ""
+
+
+@cache
+def _python_words() -> frozenset[str]:
+    words = set()
+    for p in _tracked("*.py"):
+        words.update(re.findall(r"\b_\w+", p.read_text()))
+    return frozenset(words)
+
+
+@cache
+def _file_names() -> frozenset[str]:
+    return frozenset(p.name for p in _tracked())
+
+
+def _exists(span: str, doc: Path) -> bool:
+    if subprocess.run(["git", "check-ignore", "-q", span], cwd=ROOT).returncode == 0:
+        return True  # a folder the tools write and git ignores (benchmarks/results/cpu-smoke/)
+    span = span.split("::")[0].split(":")[0].rstrip("/")
+    if any(ch in span for ch in "<>*"):  # a pattern such as results/<gpu>/ or test_*.py: its fixed prefix
+        prefix = re.split(r"[<>*]", span)[0].rstrip("/")
+        return not prefix or (ROOT / prefix).exists() or (doc.parent / prefix).exists()
+    if (ROOT / span).exists() or (doc.parent / span).exists():
+        return True
+    return "/" not in span and span in _file_names()  # a bare file name: a record or tool somewhere here
+
+
+@pytest.mark.parametrize("doc", _documents(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_and_private_name_a_document_mentions_exists(doc):
+    missing = []
+    for span in re.findall(r"`([^`\n]+)`", _text_of(doc)):
+        span = span.strip()
+        if " " in span or span.startswith(("http", "-", "$", "torch.", "triton.", "tl.", "F.")):
+            continue
+        name = PRIVATE_NAME.match(span)
+        known = name.group(1) in _python_words() if name else not PATH_LIKE.match(span) or _exists(span, doc)
+        if not known:
+            missing.append(span)
+    assert not missing, f"{doc.relative_to(ROOT)} mentions what is not in the repository: {missing}"
+
+
+# Built from parts so that this file does not match itself.
+OUTSIDE_REFERENCES = [
+    re.compile("TARGETS" + r"\.md"),
+    re.compile("DESIGN" + r"\.md"),
+    re.compile(r"\b[Ii]ssue" + r"s?\s+#?\d+"),
+    re.compile(r"\bthe extras " + "issue"),
+]
+
+
+def test_no_file_points_outside_the_repository():
+    offenders = []
+    for path in _tracked():
+        if path.suffix not in (".md", ".py", ".sh", ".toml", ".txt", ".cfg") and path.name != "run":
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if any(p.search(line) for p in OUTSIDE_REFERENCES):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    assert not offenders, "\n".join(offenders)
