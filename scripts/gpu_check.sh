@@ -7,8 +7,9 @@
 # Uses the machine's own python3 (no network, no nox). Writes under $OUT (default ./gpu-out):
 #   env.txt, tests.log (summaries), tests_all.log (every shard's output), bench.log, results.tgz (benchmarks/results/<gpu>/ of this run), summary.md
 # Knobs: EXAMPLE=1 (then the GPT example's step times, eager and compiled, both backends: gpt-*.txt),
-#   SHARDS=16 (test processes side by side), SHARD_RANGE=a:b (run only shards a..b-1 of SHARDS, to split a
-#   long suite over several calls: the attention suite takes 8-10 minutes on 16 shards), SKIP_TESTS=1,
+#   SHARDS=16 (test processes side by side; tests marked big_memory run alone after them, with the first
+#   range), SHARD_RANGE=a:b (run only shards a..b-1 of SHARDS, to split a long suite over several runs:
+#   the attention suite takes 8-10 minutes on 16 shards), SKIP_TESTS=1,
 #   SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args).
 # Exit status: non-zero when the tests or the benchmarks failed.
 set -uo pipefail
@@ -58,8 +59,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   pids=() ids=()
   for ((i = first; i < last; i++)); do
     # shellcheck disable=SC2086
-    FK_TEST_SHARD="$i/$shards" python3 -m pytest $tests_target -q -p no:cacheprovider ${TEST_ARGS:-} \
-      > "$logs/tests-$i.log" 2>&1 &
+    FK_TEST_SHARD="$i/$shards" python3 -m pytest $tests_target -q -p no:cacheprovider -m "not big_memory" \
+      ${TEST_ARGS:-} > "$logs/tests-$i.log" 2>&1 &
     pids+=($!) ids+=("$i")
   done
   : > "$OUT/tests.log"
@@ -67,10 +68,18 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     wait "${pids[$j]}"
     rc=$?
     i=${ids[$j]}
-    { echo "== shard $i/$shards: exit $rc"; grep -E "^(FAILED|ERROR)|passed|failed" "$logs/tests-$i.log" | tail -n 20; } \
+    { echo "== shard $i/$shards: exit $rc"; grep -E "^(FAILED|ERROR)|^E   |passed|failed" "$logs/tests-$i.log" | tail -n 30; } \
       | tee -a "$OUT/tests.log"
     [ "$rc" = 0 ] || [ "$rc" = 5 ] || status=1  # 5: nothing collected (no bf16 under the interpreter)
   done
+  if [ "$first" = 0 ]; then  # tests that need many GB each, one at a time (side by side they exhaust an 80 GB GPU)
+    # shellcheck disable=SC2086
+    python3 -m pytest $tests_target -q -p no:cacheprovider -m big_memory ${TEST_ARGS:-} > "$logs/tests-big.log" 2>&1
+    rc=$?
+    { echo "== big_memory tests: exit $rc"; grep -E "^(FAILED|ERROR)|^E   |passed|failed" "$logs/tests-big.log" | tail -n 30; } \
+      | tee -a "$OUT/tests.log"
+    [ "$rc" = 0 ] || [ "$rc" = 5 ] || status=1
+  fi
   echo "tests: $([ $status = 0 ] && echo ok || echo FAILED) in $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.log"
   cat "$logs"/tests-*.log > "$OUT/tests_all.log"
 fi

@@ -303,6 +303,7 @@ def test_a_seed_on_the_device_keys_the_same_mask_as_the_int():
 
 
 @pytest.mark.cuda
+@pytest.mark.big_memory
 def test_past_two_to_the_31_elements():
     n = 2**31 + 17
     x = torch.randn(n, device="cuda", dtype=torch.float16)

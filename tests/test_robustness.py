@@ -309,6 +309,7 @@ def test_attention_forward_and_backward_are_bitwise_reproducible(causal, dropout
 # --- past 32-bit indexing and long sequences (GPU) ----------------------------------------------------------
 
 @pytest.mark.cuda
+@pytest.mark.big_memory
 @pytest.mark.skipif(INTERPRETER, reason="needs ~30 GB of GPU memory")
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_norm_past_two_to_the_31_elements(norm):
@@ -340,6 +341,7 @@ def test_norm_past_two_to_the_31_elements(norm):
 
 
 @pytest.mark.cuda
+@pytest.mark.big_memory
 @pytest.mark.skipif(INTERPRETER, reason="a GPU-size sequence")
 def test_attention_sequence_of_131072():
     """B = H = 1, S = 131072, causal, bf16: o, dQ, dK, dV against an fp32 reference computed a block of
