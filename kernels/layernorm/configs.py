@@ -29,11 +29,7 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 
-from kernels._common.launch import l2_cache_bytes, multiprocessor_count
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from kernels._common.launch import cdiv, l2_cache_bytes, multiprocessor_count
 
 
 def next_pow2(n: int) -> int:
