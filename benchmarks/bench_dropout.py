@@ -4,6 +4,10 @@ Bytes counted: 2 * n * element size (read x, write y; backward: read dy, write d
 torch also writes a 1-byte mask in the forward and reads it in the backward; that traffic is its cost,
 not counted as useful bytes. ``saved_bytes_per_element`` is measured: device memory still held after
 the forward (input requiring grad), less the output, per element.
+
+``layout`` says how the input lies in memory: ``contiguous``; ``transposed``, a 2-D ``.t()`` view; ``permuted``,
+a (B, S, H, D) tensor viewed as (B, H, S, D), as attention's inputs are. The strided layouts run at
+n = 2^27 (and the smallest smoke size).
 """
 
 from __future__ import annotations
@@ -22,6 +26,18 @@ P = 0.5
 PROVIDERS = ["ours", "torch", "torch.compile"]
 DTYPES = [torch.float32, torch.float16] if SMOKE else [torch.float16, torch.bfloat16, torch.float32]
 SIZES = [1 << 12, 1 << 14] if SMOKE else [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 27, 1 << 28]
+STRIDED_N = SIZES[0] if SMOKE else 1 << 27
+
+
+def _input(layout: str, n: int, dtype) -> torch.Tensor:
+    """``n`` elements laid out as ``layout`` says (see the module docstring)."""
+    if layout == "contiguous":
+        return torch.randn(n, device=DEVICE, dtype=dtype)
+    if layout == "transposed":
+        rows = 1 << ((n.bit_length() - 1) // 2)  # (rows, n / rows), then .t()
+        return torch.randn(rows, n // rows, device=DEVICE, dtype=dtype).t()
+    b, h, d = 2, 8, 64  # (B, S, H, D) -> (B, H, S, D)
+    return torch.randn(b, n // (b * h * d), h, d, device=DEVICE, dtype=dtype).permute(0, 2, 1, 3)
 
 
 @functools.cache
@@ -53,13 +69,17 @@ def _saved_bytes_per_element(fn, x: torch.Tensor) -> float | None:
     return held / x.numel()
 
 
+POINTS = [("contiguous", n) for n in SIZES] + [(layout, STRIDED_N) for layout in ("transposed", "permuted")]
+
+
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize(("layout", "n"), POINTS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_dropout(measure, provider, dtype, n, direction):
+def test_dropout(measure, provider, dtype, layout, n, direction):
     fn = _provider_fn(provider)
-    x = torch.randn(n, device=DEVICE, dtype=dtype)
+    x = _input(layout, n, dtype)
+    assert x.numel() == n and x.is_contiguous() == (layout == "contiguous")
     extra = {}
     if direction == "fwd":
         run = functools.partial(fn, x)
@@ -80,7 +100,7 @@ def test_dropout(measure, provider, dtype, n, direction):
         provider=provider,
         direction=direction,
         dtype=dtype,
-        shape={"n": n},
+        shape={"layout": layout, "n": n},
         x_key="n",
         bytes_moved=2 * n * x.element_size(),
         extra=extra,
