@@ -13,12 +13,20 @@ input is float64), as the kernels do, and cast back to the input dtype at the en
 ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``, ``dw = sum over rows of dy * xhat``,
 ``db = sum over rows of dy``. RMSNorm: ``dx = rstd * (g - xhat * mean(g * xhat))``.
 
-Dependency rule: this file imports torch only.
+**Residual + dropout + norm** (:func:`add_dropout_norm`), the pre-norm block's
+``r = dropout(x) + residual; y = norm(r)``: the dropout mask is the dropout family's
+(``reference.dropout.dropout`` with the same seed), ``r`` is returned too (the next block's residual), and
+the backward (:func:`add_dropout_norm_backward`) adds the gradient that reaches ``r`` through the residual
+stream to the norm's ``dx``; that sum is ``residual``'s gradient, and the same mask again gives ``x``'s.
+
+Dependency rule: this file imports torch and ``reference.dropout`` only.
 """
 
 from __future__ import annotations
 
 import torch
+
+import reference.dropout as dropout_twin
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -137,3 +145,67 @@ def grouped_weight_grad(dy, xhat, *, rows_per_program: int, group_size_m: int):
         partial = contrib[p * rows_per_program : (p + 1) * rows_per_program].sum(dim=0)
         buffers[p % group_size_m] += partial
     return buffers.sum(dim=0), buffers
+
+
+def _residual_dtype(x: torch.Tensor, residual: torch.Tensor | None, residual_dtype) -> torch.dtype:
+    if residual_dtype is not None:
+        return residual_dtype
+    return x.dtype if residual is None else residual.dtype
+
+
+def add_dropout_norm(x, residual=None, weight=None, bias=None, *, kind="layer", eps=1e-5, dropout_p=0.0,
+                     seed=None, training=True, residual_dtype=None):
+    """``(y, residual_out)`` of the pre-norm block over the last dim of ``x``, as three torch ops would give:
+
+    - ``dropped = dropout(x, dropout_p, seed=seed)`` in ``x``'s dtype (identity when not ``training`` or
+      ``dropout_p == 0``); the mask is the dropout family's for ``x``'s logical shape;
+    - ``residual_out = dropped + residual`` (or ``dropped`` alone) added in float32 and rounded once to
+      ``residual_dtype``: default ``residual``'s dtype, or ``x``'s without a residual (``torch.float32``
+      keeps the residual stream in fp32, as pre-norm trainers do);
+    - ``y = norm(residual_out) * weight (+ bias)``, ``kind`` ``"layer"`` or ``"rms"`` (no bias), statistics in
+      float32 from the rounded ``residual_out``, ``y`` in ``x``'s dtype.
+    """
+    if kind not in ("layer", "rms"):
+        raise ValueError(f"kind must be 'layer' or 'rms', got {kind!r}")
+    if kind == "rms" and bias is not None:
+        raise ValueError("RMSNorm has no bias")
+    apply_dropout = training and dropout_p > 0.0
+    if apply_dropout and seed is None:
+        raise ValueError("the twin needs an explicit seed to draw the dropout mask")
+    dropped = dropout_twin.dropout(x, dropout_p, seed=seed) if apply_dropout else x
+    out_dtype = _residual_dtype(x, residual, residual_dtype)
+    summed = dropped.float() if residual is None else dropped.float() + residual.float()
+    residual_out = summed.to(out_dtype)
+    rows = residual_out.reshape(-1, x.shape[-1])
+    if kind == "layer":
+        y = layer_norm_forward(rows.float(), weight, bias, eps)[0]
+    else:
+        y = rms_norm_forward(rows.float(), weight, eps)[0]
+    return y.to(x.dtype).reshape(x.shape), residual_out
+
+
+def add_dropout_norm_backward(dy, dresidual_out, residual_out, weight, *, kind="layer", eps=1e-5, dropout_p=0.0,
+                              seed=None, training=True, x_dtype=None, residual_dtype=None):
+    """``(dx, dresidual, dw, db)`` of :func:`add_dropout_norm`, written out by hand.
+
+    ``dr = norm_backward(dy, residual_out) + dresidual_out`` in float32 (``dresidual_out``: the gradient that
+    reaches ``residual_out`` from later blocks, may be None); ``dresidual = dr`` (rounded to
+    ``residual_dtype``, default ``residual_out``'s); dropout is linear with a fixed mask, so
+    ``dx = dropout(dr)`` with the forward's seed (rounded to ``x_dtype``, default ``dy``'s). ``db`` is None for
+    RMSNorm, ``dw`` without a weight.
+    """
+    n = residual_out.shape[-1]
+    r = residual_out.reshape(-1, n).float()
+    g = dy.reshape(-1, n)
+    if kind == "layer":
+        _, mean, rstd = layer_norm_forward(r, weight, None, eps)
+        dr, dw, db = layer_norm_backward(g, r, weight, mean, rstd)
+    else:
+        _, rstd = rms_norm_forward(r, weight, eps)
+        (dr, dw), db = rms_norm_backward(g, r, weight, rstd), None
+    dr = dr.reshape(residual_out.shape)
+    if dresidual_out is not None:
+        dr = dr + dresidual_out.float()
+    apply_dropout = training and dropout_p > 0.0
+    dx = dropout_twin.dropout(dr, dropout_p, seed=seed) if apply_dropout else dr
+    return (dx.to(x_dtype or dy.dtype), dr.to(residual_dtype or residual_out.dtype), dw, db)

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import kernels.layernorm.ops as ops
+import reference.dropout as reference_dropout
 import reference.layernorm as twin
 from kernels._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
+from kernels.dropout import dropout
 from kernels.layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
 from tests._numerics import assert_no_worse_than_torch
 
@@ -312,3 +314,80 @@ def test_chunked_forward_with_persistent_programs(kind):
         assert not cfg["SINGLE_PASS"] and configs.forward_programs(m, n, cfg, 4, 0) < m
         _check_against_torch(kind, x, w, b if kind == "layer" else None, dy, 1e-5)
     assert configs.forward(n)["SINGLE_PASS"]  # the override is gone with the block
+
+
+# --- the twin of residual + dropout + norm --------------------------------------------------------------
+
+ADD_DROPOUT_NORM_CASES = [
+    # (kind, x dtype, residual: None | "same" | "fp32 stream", dropout_p, training)
+    ("layer", torch.float32, "same", 0.0, True),
+    ("layer", torch.float16, "same", 0.3, True),
+    ("layer", torch.bfloat16, "fp32 stream", 0.3, True),
+    ("rms", torch.bfloat16, None, 0.5, True),
+    ("rms", torch.float16, "fp32 stream", 0.3, False),
+    ("layer", torch.float32, None, 0.0, True),
+]
+
+
+def _block_inputs(kind, dtype, residual, n=48, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, n, generator=g).to(dtype)
+    res = None
+    if residual == "same":
+        res = torch.randn(3, 5, n, generator=g).to(dtype)
+    elif residual == "fp32 stream":
+        res = torch.randn(3, 5, n, generator=g)
+    w = torch.randn(n, generator=g)
+    b = torch.randn(n, generator=g) if kind == "layer" else None
+    return x, res, w, b
+
+
+@pytest.mark.parametrize(("kind", "dtype", "residual", "p", "training"), ADD_DROPOUT_NORM_CASES, ids=str)
+def test_add_dropout_norm_twin_is_the_three_torch_ops(kind, dtype, residual, p, training):
+    """The twin equals dropout (the dropout family's twin), then the add in torch, then torch's norm."""
+    x, res, w, b = _block_inputs(kind, dtype, residual)
+    y, r = twin.add_dropout_norm(x, res, w, b, kind=kind, dropout_p=p, seed=11, training=training)
+    dropped = reference_dropout.dropout(x, p, seed=11) if training and p else x
+    expected_r = dropped + res if res is not None else dropped  # torch promotes bf16 + fp32 to fp32
+    assert r.dtype == expected_r.dtype and torch.equal(r, expected_r)
+    n = x.shape[-1]
+    norm = F.layer_norm(r.float(), (n,), w, b, 1e-5) if kind == "layer" else F.rms_norm(r.float(), (n,), w, 1e-5)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, norm.to(dtype), rtol=0, atol=ATOL[dtype])
+
+
+def test_add_dropout_norm_twin_drops_what_the_dropout_kernel_drops():
+    x = torch.randn(4, 1000, device=DEVICE)
+    _, r = twin.add_dropout_norm(x, kind="rms", dropout_p=0.25, seed=123)
+    assert torch.equal(r, dropout(x, 0.25, seed=123))
+
+
+@pytest.mark.parametrize(("kind", "dtype", "residual", "p", "training"), ADD_DROPOUT_NORM_CASES, ids=str)
+def test_add_dropout_norm_twin_backward_is_autograd_of_the_three_ops(kind, dtype, residual, p, training):
+    x, res, w, b = _block_inputs(kind, dtype, residual)
+    g = torch.Generator().manual_seed(9)
+    dy = torch.randn(x.shape, generator=g).to(dtype)
+    dres_out = torch.randn(x.shape, generator=g)
+    _, r = twin.add_dropout_norm(x, res, w, b, kind=kind, dropout_p=p, seed=11, training=training)
+    dx, dres, dw, db = twin.add_dropout_norm_backward(dy, dres_out.to(r.dtype), r, w, kind=kind, dropout_p=p,
+                                                      seed=11, training=training, x_dtype=dtype)
+    # autograd in float64 through the same ops (the residual stream unrounded: hence the low-precision slack)
+    x64 = x.double().requires_grad_(True)
+    res64 = res.double().requires_grad_(True) if res is not None else None
+    r64 = reference_dropout.dropout(x64, p, seed=11) if training and p else x64
+    r64 = r64 + res64 if res64 is not None else r64
+    w64 = w.double().requires_grad_(True)
+    b64 = b.double().requires_grad_(True) if b is not None else None
+    n = x.shape[-1]
+    y64 = F.layer_norm(r64, (n,), w64, b64, 1e-5) if kind == "layer" else F.rms_norm(r64, (n,), w64, 1e-5)
+    named = {name: t for name, t in (("x", x64), ("w", w64), ("b", b64), ("res", res64)) if t is not None}
+    grads = dict(zip(named, torch.autograd.grad((y64, r64), list(named.values()),
+                                                (dy.double(), dres_out.to(r.dtype).double())), strict=True))
+    tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+    torch.testing.assert_close(dx.double(), grads["x"], rtol=tol, atol=tol)
+    torch.testing.assert_close(dw.double(), grads["w"], rtol=tol, atol=tol * 10)
+    if b is not None:
+        torch.testing.assert_close(db.double(), grads["b"], rtol=tol, atol=tol * 10)
+    if res is not None:
+        torch.testing.assert_close(dres.double(), grads["res"], rtol=tol, atol=tol)
+    assert dres.dtype == r.dtype and dx.dtype == dtype
