@@ -25,6 +25,7 @@ import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton
 import argparse
 import contextlib
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +39,7 @@ def _load(path: str, family: str):
     return module
 
 
-def _variants(args) -> dict[str, contextlib.AbstractContextManager]:
+def _variants(args) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
     """Name -> context manager under which the public call runs that variant (made afresh per call)."""
     variants = {}
     if args.baseline != "-":
