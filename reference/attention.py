@@ -293,3 +293,57 @@ def flash_attention_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlen
                                          _as_batch(o[rq]), lse[:, rq].unsqueeze(0), batch_offset=b, **kwargs)
         dq[rq], dk[rk], dv[rk] = (_as_packed(g) for g in grads)
     return dq, dk, dv
+
+
+# --- inference: a KV cache, contiguous or paged ---------------------------------------------------------
+
+
+def _cache_rows(cache: torch.Tensor, b: int, block_table, length: int) -> torch.Tensor:
+    """Sequence ``b``'s first ``length`` cache positions as (Hkv, length, D): a slice of a contiguous cache
+    (B, Hkv, S_max, D), or the pages ``block_table[b, 0], block_table[b, 1], ...`` of a paged one
+    (num_blocks, Hkv, block_size, D), position ``t`` in page ``t // block_size`` at row ``t % block_size``."""
+    if block_table is None:
+        return cache[b, :, :length]
+    block_size = cache.shape[2]
+    pages = block_table[b, : -(-length // block_size)].tolist()
+    return torch.cat([cache[p] for p in pages], dim=1)[:, :length] if pages else cache[0, :, :0]
+
+
+def _write_cache(cache: torch.Tensor, b: int, block_table, start: int, new: torch.Tensor) -> None:
+    """Write ``new`` (Hkv, S_new, D) into sequence ``b``'s cache at positions ``start ...``, in place."""
+    for t in range(new.shape[1]):
+        pos = start + t
+        if block_table is None:
+            cache[b, :, pos] = new[:, t]
+        else:
+            block_size = cache.shape[2]
+            cache[int(block_table[b, pos // block_size]), :, pos % block_size] = new[:, t]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=True,
+                           softmax_scale=None, window_size=(-1, -1)):
+    """Attention of new queries against a KV cache (forward only), written the plain way: append, gather,
+    attend.
+
+    ``q`` (B, Hq, Sq, D). ``k_cache``/``v_cache``: contiguous (B, Hkv, S_max, D), or paged (num_blocks, Hkv,
+    block_size, D) with ``block_table`` (B, max_blocks) int32. ``cache_seqlens`` (B,) int32: tokens already
+    in each sequence's cache. ``k``/``v`` (B, Hkv, Sq_new, D), when given, are written into the cache at
+    positions ``cache_seqlens[b] ...`` in place (the caller advances ``cache_seqlens``). Then sequence ``b``'s
+    queries attend to its ``cache_seqlens[b] + Sq_new`` keys with :func:`attention`'s masks: queries align
+    bottom-right, so with ``causal`` query ``i`` of ``Sq`` sees keys up to ``i + L - Sq`` where ``L`` is that
+    sequence's key count. A sequence with no key gets zeros."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    new = 0 if k is None else k.shape[2]
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        start = int(cache_seqlens[b])
+        if k is not None:
+            _write_cache(k_cache, b, block_table, start, k[b])
+            _write_cache(v_cache, b, block_table, start, v[b])
+        length = start + new
+        keys = _cache_rows(k_cache, b, block_table, length)[None]
+        values = _cache_rows(v_cache, b, block_table, length)[None]
+        out[b] = attention(q[b:b + 1], keys, values, causal=causal, softmax_scale=softmax_scale,
+                           window_size=window_size)[0]
+    return out

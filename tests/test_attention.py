@@ -141,6 +141,79 @@ def test_twin_shape_errors():
         twin.attention(*_qkv(1, 2, 2, 4, 4, 8)[:2], v[:, :, :3])
 
 
+# --- the twin of attention against a KV cache ----------------------------------------------------------
+
+KVCACHE_CASES = [
+    # (Hq, Hkv, Sq, cache_seqlens, causal, window)
+    (4, 2, 3, [0, 5, 17], True, (-1, -1)),
+    (4, 1, 1, [9, 0, 30], True, (-1, -1)),  # decode, MQA, an empty cache
+    (2, 2, 4, [6, 11, 2], False, (-1, -1)),
+    (4, 2, 2, [12, 3, 25], True, (4, 0)),  # sliding window
+]
+
+
+def _kvcache_inputs(hq, hkv, sq, seqlens, *, s_max=40, d=16, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    b = len(seqlens)
+    q = torch.randn(b, hq, sq, d, generator=g, dtype=F64)
+    k_cache, v_cache = (torch.randn(b, hkv, s_max, d, generator=g, dtype=F64) for _ in range(2))
+    k_new, v_new = (torch.randn(b, hkv, sq, d, generator=g, dtype=F64) for _ in range(2))
+    return q, k_cache, v_cache, torch.tensor(seqlens, dtype=torch.int32), k_new, v_new
+
+
+def _paged(cache, block_size, order):
+    """The contiguous (B, Hkv, S_max, D) cache cut into pages of ``block_size`` stored in the shuffled slots
+    ``order``; returns ``(pages, block_table)``."""
+    b, hkv, s_max, d = cache.shape
+    per_seq = s_max // block_size
+    pages = torch.full((b * per_seq, hkv, block_size, d), float("nan"), dtype=cache.dtype)
+    table = torch.empty(b, per_seq, dtype=torch.int32)
+    for i in range(b):
+        for j in range(per_seq):
+            slot = order[i * per_seq + j]
+            pages[slot] = cache[i, :, j * block_size:(j + 1) * block_size]
+            table[i, j] = slot
+    return pages, table
+
+
+@pytest.mark.parametrize(("hq", "hkv", "sq", "seqlens", "causal", "window"), KVCACHE_CASES, ids=str)
+def test_twin_kvcache_appends_in_place_and_attends_like_sdpa(hq, hkv, sq, seqlens, causal, window):
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new = _kvcache_inputs(hq, hkv, sq, seqlens)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out = twin.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k_new, v=v_new, causal=causal,
+                                      window_size=window)
+    for b, start in enumerate(seqlens):
+        keys = torch.cat([before_k[b, :, :start], k_new[b]], dim=1)
+        values = torch.cat([before_v[b, :, :start], v_new[b]], dim=1)
+        # the cache now holds the new keys at start ..., and nothing else moved
+        torch.testing.assert_close(k_cache[b, :, :start + sq], keys, rtol=0, atol=0)
+        torch.testing.assert_close(v_cache[b, :, start + sq:], before_v[b, :, start + sq:], rtol=0, atol=0)
+        mask = twin.visible(sq, start + sq, causal=causal, window_size=window)
+        expected = F.scaled_dot_product_attention(q[b], keys.repeat_interleave(hq // hkv, 0),
+                                                  values.repeat_interleave(hq // hkv, 0), attn_mask=mask)
+        torch.testing.assert_close(out[b], expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_twin_kvcache_paged_equals_contiguous(block_size):
+    hq, hkv, sq, seqlens = 4, 2, 3, [0, 13, 29]
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new = _kvcache_inputs(hq, hkv, sq, seqlens)
+    order = torch.randperm(len(seqlens) * 40 // block_size, generator=torch.Generator().manual_seed(1)).tolist()
+    k_pages, table = _paged(k_cache, block_size, order)
+    v_pages, _ = _paged(v_cache, block_size, order)
+    paged = twin.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens, k=k_new, v=v_new, block_table=table)
+    contiguous = twin.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k_new, v=v_new)
+    torch.testing.assert_close(paged, contiguous, rtol=0, atol=0)
+    for b, start in enumerate(seqlens):  # the appended tokens landed in the right pages and rows
+        for t in range(sq):
+            pos = start + t
+            page = int(table[b, pos // block_size])
+            assert torch.equal(k_pages[page, :, pos % block_size], k_new[b, :, t])
+    decode = twin.attention_with_kvcache(q[:, :, :1], k_pages, v_pages, cache_seqlens + sq, block_table=table)
+    torch.testing.assert_close(decode, twin.attention_with_kvcache(q[:, :, :1], k_cache, v_cache, cache_seqlens + sq),
+                               rtol=0, atol=0)
+
+
 # --- the Triton kernels ------------------------------------------------------------------------------
 
 KERNEL_CASES = by_mode(
