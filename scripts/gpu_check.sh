@@ -10,7 +10,8 @@
 #   SHARDS=16 (test processes side by side; tests marked big_memory run alone after them, with the first
 #   range), SHARD_RANGE=a:b (run only shards a..b-1 of SHARDS, to split a long suite over several runs:
 #   the attention suite takes 8-10 minutes on 16 shards), SKIP_TESTS=1,
-#   SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args).
+#   SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args). FUSED_KERNELS_ATTENTION_PATH=hopper
+#   or =portable runs every attention call on that kernel path (default auto: see kernels/attention/README.md).
 # Exit status: non-zero when the tests or the benchmarks failed.
 set -uo pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac

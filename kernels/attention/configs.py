@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -128,6 +129,81 @@ ROWS: tuple[Row, ...] = (
         ((256,), (32, 16, 4, 1), "fp32: D 256 tiles must fit shared memory"),
         (_WIDE, (16, 16, 8, 1), "fp32, D > 256: small blocks so the tiles fit shared memory"))),
 )
+
+#: Which kernels run on a GPU: ``auto`` (default) takes the Hopper kernels (``kernels/attention/_hopper.py``)
+#: on sm_90 for the calls they support and measured faster on (:func:`prefers_hopper_forward`), ``hopper``
+#: for every call they support, ``portable`` never. Read at each call, so a test or a tool can set it with
+#: ``forced_path``.
+PATH_ENV = "FUSED_KERNELS_ATTENTION_PATH"
+PATHS = ("auto", "hopper", "portable")
+
+
+class HopperForwardTile(NamedTuple):
+    block_n: int  # keys per block (the query tile is 128 rows: two 64-row consumer warpgroups)
+    stages: int  # K/V shared-memory ring slots
+    consumer_regs: int  # registers per thread of each consumer warpgroup (setmaxnreg)
+    producer_regs: int  # of the TMA producer warpgroup
+    maxnreg: int  # the kernel's register cap, from which the default partition's share follows
+
+
+#: Hopper forward tiles by padded head dim: S and O accumulators (64 x BLOCK_N and 64 x D fp32 per warpgroup)
+#: and P must fit in 240 registers; Q (128 x D) plus the K/V ring in 227 KiB of shared memory.
+HOPPER_FORWARD: dict[int, HopperForwardTile] = {
+    64: HopperForwardTile(128, 2, 240, 24, 168),
+    128: HopperForwardTile(128, 2, 240, 24, 168),
+}
+
+
+#: ``auto`` takes the Hopper forward from this many programs per SM on. Below it the portable kernel's
+#: 64-row query blocks are steadier or faster (H100, bf16, D 128: Sq 512, Sk 8192 with 128 programs on 132
+#: SMs ran at 396-588 TFLOP/s from one measurement to the next against a steady 465-471; with 64 programs
+#: 322 against 352), while from two per SM on it leads (2048 programs at Sq 2000: 529 against 441).
+HOPPER_MIN_PROGRAMS_PER_SM = 2
+
+
+def prefers_hopper_forward(block_d: int, programs: int, sms: int) -> bool:
+    """Whether ``auto`` runs a supported forward call on the Hopper kernel: at head dims padded to 128 on a
+    grid of at least :data:`HOPPER_MIN_PROGRAMS_PER_SM` programs per SM. At 64 the portable kernel is as
+    fast at long sequences and faster at short ones (H100, bf16: S 4096 424 vs 417 TFLOP/s, causal S 1024
+    215 vs 251): the Hopper kernel's 168 registers per thread leave room for one program per SM, and a
+    short program's prologue and epilogue then run alone."""
+    return block_d == 128 and programs >= HOPPER_MIN_PROGRAMS_PER_SM * sms
+
+
+def path() -> str:
+    """The kernel path calls take now (``PATH_ENV``; ``auto`` when unset)."""
+    chosen = os.environ.get(PATH_ENV, "auto")
+    if chosen not in PATHS:
+        raise ValueError(f"{PATH_ENV}={chosen!r}: expected one of {PATHS}")
+    return chosen
+
+
+@functools.cache
+def is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU (H100, H200, H800, GH200)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@contextlib.contextmanager
+def forced_path(name: str) -> Iterator[None]:
+    """Inside the block, calls take kernel path ``name`` (one of :data:`PATHS`)."""
+    if name not in PATHS:
+        raise ValueError(f"path {name!r}: expected one of {PATHS}")
+    saved = os.environ.get(PATH_ENV)
+    os.environ[PATH_ENV] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[PATH_ENV]
+        else:
+            os.environ[PATH_ENV] = saved
+
 
 # The one place a different tile can be forced (see ``override``).
 _adjust: Callable[[Query, Tile], Tile] | None = None

@@ -10,6 +10,7 @@ Launch configurations (tiles, warps, stages, one or two backward launches) come 
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -43,7 +44,7 @@ from kernels._common.seed import (
     seed_pointer,
     seed_value,
 )
-from kernels.attention import configs
+from kernels.attention import _hopper, configs
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
     _attn_bwd_preprocess_kernel,
@@ -130,6 +131,60 @@ def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict,
     )
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can read ``t`` in place: contiguous last dim, 16-byte aligned base and other strides."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:-1])
+
+
+def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                        varlen=None) -> bool:
+    """Whether a forward call on these tensors runs the Hopper kernel (``kernels/attention/_hopper.py``) rather
+    than the portable one. The Hopper kernel takes sm_90, fp16/bf16, dense batches, no dropout, head dims with a
+    Hopper tile and tensors TMA can read in place; of those calls the ``auto`` path takes the ones
+    ``configs.prefers_hopper_forward`` names, the ``hopper`` path all."""
+    path = configs.path()
+    if path == "portable" or varlen is not None or dropout_p != 0.0 or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
+        return False
+    bd = configs.block_d(q.shape[-1])
+    if bd not in configs.HOPPER_FORWARD or not configs.is_hopper(q.device):
+        return False
+    if not (_tma_ready(q) and _tma_ready(k) and _tma_ready(v)):
+        return False
+    if path == "hopper":
+        return True
+    programs = cdiv(q.shape[2], _hopper.QUERY_ROWS) * q.shape[0] * q.shape[1]
+    return configs.prefers_hopper_forward(bd, programs, configs.sm_count(q.device))
+
+
+_GLUON_DTYPES = {torch.float16: _hopper.gl.float16, torch.bfloat16: _hopper.gl.bfloat16}
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    return _hopper.gl.NVMMASharedLayout.get_default_for(list(block), _GLUON_DTYPES[dtype])
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
+    """A TMA descriptor over all of ``t`` (its own shape and strides) that moves ``block`` tiles."""
+    return _hopper.TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
+
+
+def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
+    b, hq, hkv, sq, sk, d = _dims(q, k, None)
+    bd = configs.block_d(d)
+    t = configs.HOPPER_FORWARD[bd]
+    q_block, kv_block = (1, 1, _hopper.QUERY_ROWS // 2, bd), (1, 1, t.block_n, bd)
+    band, band_flags = _band(left, right)
+    grid = (cdiv(sq, _hopper.QUERY_ROWS), b * hq)
+    _hopper._attn_fwd_hopper_kernel[grid](
+        _descriptor(q, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block), _descriptor(o, q_block),
+        lse, lse.stride(0), lse.stride(1), hq, hq // hkv, sq, sk, scale * 1.4426950408889634, *band, **band_flags,
+        BLOCK_N=t.block_n, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs,
+        num_warps=4, maxnreg=t.maxnreg,
+    )
+
+
 def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False):
     b, hq, _, sq, _, d = _dims(o, o, varlen)
     block_d = configs.block_d(d)
@@ -198,6 +253,9 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
     if nothing_to_launch(q) or k.numel() == 0 or b == 0:
         o.zero_()
         lse.fill_(float("-inf"))
+        return o, lse
+    if not traceable and uses_hopper_forward(q, k, v, dropout_p, varlen):
+        _launch_fwd_hopper(q, k, v, o, lse, left, right, scale)
         return o, lse
     cfg = configs.launch_config("fwd", d, q.dtype, left, right, sq, dropout=dropout_p > 0)
     _launch_fwd(q, k, v, o, lse, left, right, scale, cfg, _dropout_args(dropout_p, seed), varlen, traceable=traceable)
@@ -394,6 +452,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA's are.
 
     The backward is deterministic in every mode (``deterministic`` is accepted for API compatibility).
+
+    On sm_90 GPUs an eager forward that :func:`uses_hopper_forward` names runs the Hopper kernel
+    (``kernels/attention/_hopper.py``); the environment variable ``FUSED_KERNELS_ATTENTION_PATH``
+    (``auto``, ``hopper``, ``portable``) overrides the choice. Both paths compute the same attention to
+    rounding.
     """
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)

@@ -1,0 +1,245 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon: warp-specialised, TMA-fed, asynchronous wgmma.
+
+Implements the same forward as ``_attn_fwd_kernel`` (``kernels/attention/_kernels.py``, read beside
+``reference/attention.py``): O and the natural-log log-sum-exp of softmax(Q K^T * scale) V, with the band
+``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (causal: RIGHT = 0), GQA/MQA, Sq != Sk, any
+(batch, head, sequence) strides. The portable kernel stays the readable version and runs everywhere else.
+
+Schedule (one program = 128 query rows of one (batch, query head)):
+- a **producer** warp issues TMA loads: the two 64-row halves of the Q tile once, then each K and V block
+  into a ring of ``STAGES`` shared-memory slots. Each slot has a "ready" mbarrier (the TMA transaction
+  count completes it) and an "empty" one (both consumers arrive once they have read it). K and V have
+  separate barriers so that Q K^T starts before V has landed.
+- two **consumer** warpgroups (the default partition and one worker) own 64 query rows each and run the
+  online softmax on their own rows; the warp scheduler interleaves them, so one's exp2 runs beside the
+  other's matmuls.
+- inside a consumer, the softmax of block j overlaps the tensor cores: Q K_j^T is issued, then P_{j-1}
+  V_{j-1} is issued with P_{j-1} in registers (no shared-memory round trip), and only then does the warp
+  group wait for the first and compute exp2 on block j while the second still runs.
+- register budget: the producer warpgroup gives its registers back (24 per thread) and each consumer
+  takes 240, the split that lets two 64 x 128 fp32 accumulators (S and O) and P live in registers.
+
+Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
+and base address are 16-byte aligned (TMA), padded head dims 64 and 128 (33-128; the TMA box pads with
+zeros and clips the store), no dropout, no packed batches, eager calls (under torch.compile the registered
+op runs the portable kernel). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
+(``configs.prefers_hopper_forward``: the default path takes padded D 128 on grids of two programs per SM
+or more); the backward is the portable kernel's.
+
+Trade-offs: masks are applied at run time per key block (a uniform branch), so blocks crossing a band edge
+or the end of K pay for the compare-and-select and interior blocks do not; 168 registers per thread leave
+room for one program per SM, so a short program's prologue and epilogue run alone (why D 64 and small
+grids stay on the portable kernel); no ping-pong barrier between the two consumers yet.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels.attention import _kernels as _portable
+
+__all__ = ["QUERY_ROWS", "TensorDescriptor", "_attn_fwd_hopper_kernel", "gl"]
+
+#: query rows per program: two consumer warpgroups of 64 rows (the wgmma M of one warpgroup)
+QUERY_ROWS = 128
+HALF_M: gl.constexpr = gl.constexpr(QUERY_ROWS // 2)
+_LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+# The key range of a query block is the portable kernel's rule, compiled as Gluon (scalar arithmetic only).
+_key_blocks = gluon.jit(_portable._key_range.fn)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+              b, h, hk, m0, start, end, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    for half in gl.static_range(2):
+        mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * HALF_M, 0], q_ready.index(half),
+                                        q_smem.index(half))
+    for i in range(gl.cdiv(end - start, BLOCK_N)):
+        slot = i % STAGES
+        # a fresh mbarrier counts as having completed the phase before 0: the first pass does not wait
+        phase = ((i // STAGES) & 1) ^ 1
+        n0 = start + i * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _masked_scores(s, rows, n0, Sk, lo_shift, hi_shift, s_layout: gl.constexpr, HAS_LEFT: gl.constexpr,
+                   HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    keep = gl.expand_dims(cols < Sk, 0)
+    if HAS_RIGHT:
+        keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + hi_shift, 1))
+    if HAS_LEFT:
+        keep = keep & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + lo_shift, 1))
+    return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, rows, n0, full_lo, full_hi, Sk, lo_shift, hi_shift, scale_log2,
+                  s_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Online-softmax update for one block of raw scores: ``(p, alpha, m_new, l_new)``, base 2."""
+    if (n0 < full_lo) | (n0 >= full_hi):
+        s = _masked_scores(s * scale_log2, rows, n0, Sk, lo_shift, hi_shift, s_layout, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    else:
+        # every row sees the whole block: scale the row maximum instead of each score (scale >= 0, rounding is
+        # monotonic), which leaves one fused multiply-add per score in front of exp2
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+        m_safe = m_new
+        p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr,
+              stride_lb, stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo, full_hi, end,
+              HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+    q_tile = q_smem.index(HALF).reshape([HALF_M, BLOCK_D])
+
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+    acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    mbarrier.wait(q_ready.index(HALF), 0)
+    if n_blocks > 0:
+        # block 0: scores and softmax only; its P V is issued in the next step
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start, full_lo, full_hi, Sk, lo_shift, hi_shift,
+                                           scale_log2, s_layout, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for i in range(1, n_blocks):
+            slot = i % STAGES
+            phase = (i // STAGES) & 1
+            prev = (i - 1) % STAGES
+            prev_phase = ((i - 1) // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), prev_phase)
+            acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start + i * BLOCK_N, full_lo, full_hi, Sk,
+                                               lo_shift, hi_shift, scale_log2, s_layout, HAS_LEFT, HAS_RIGHT,
+                                               BLOCK_N)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        last = (n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # l = 0 only for a row that saw no key; `l > 0` would turn a NaN row into zeros instead of propagating it
+    seen = ~(l_i == 0.0)
+    safe_l = gl.where(seen, l_i, 1.0)
+    inv_l = gl.convert_layout(1.0 / safe_l, o_row_layout)
+    o = acc * gl.expand_dims(inv_l, 1)
+    o = gl.where(gl.expand_dims(gl.convert_layout(seen, o_row_layout), 1), o, 0.0)
+    lse = gl.where(seen, (m_i + gl.log2(safe_l)) * _LN2, float("-inf"))
+    lse_base = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+    gl.store(lse_base + rows, lse, mask=rows < Sq)
+    # Q is no longer read: its shared memory stages O for the TMA store (which clips rows past Sq)
+    q_tile.store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, m0 + HALF * HALF_M, 0], q_smem.index(HALF))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_worker(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr,
+                     stride_lb, stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo, full_hi,
+                     end, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr, stride_lb,
+              stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo, full_hi, end, 1,
+              HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)
+
+
+@gluon.jit(do_not_specialize=["Sq", "Sk"])
+def _attn_fwd_hopper_kernel(
+    q_desc, k_desc, v_desc, o_desc,  # TMA descriptors over (B, H, S, D); blocks [1, 1, 64 or BLOCK_N, BLOCK_D]
+    lse_ptr, stride_lb, stride_lh,  # (B, Hq, Sq) fp32 output, 1 along the sequence
+    Hq, GROUP, Sq, Sk, scale_log2, LEFT, RIGHT,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = 2 * HALF_M
+    FIRST_HALF: gl.constexpr = 0
+    pid_m = gl.program_id(0)
+    if HAS_RIGHT:
+        pid_m = gl.num_programs(0) - 1 - pid_m  # longest query blocks first
+    pid_bh = gl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    scale_log2 = scale_log2.to(gl.float32)
+    lo_shift = Sk - Sq - LEFT
+    hi_shift = Sk - Sq + RIGHT
+    start, full_lo, full_hi, end = _key_blocks(m0, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+
+    # list concatenation, not [n, *shape]: the Gluon frontend has no starred expressions
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # noqa: RUF005
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr, stride_lb,
+                     stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo, full_hi, end,
+                     FIRST_HALF, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)),
+        (_consumer_worker, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr,
+                            stride_lb, stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo,
+                            full_hi, end, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                     b, h, hk, m0, start, end, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

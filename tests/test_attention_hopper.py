@@ -1,0 +1,161 @@
+"""The attention kernel paths: which calls take the Hopper forward (``kernels/attention/_hopper.py``), how a
+caller forces either path, and that on an sm_90 GPU both paths give the same attention, no worse
+than torch's own in the input dtype.
+
+The rest of the attention tests run on whichever path a call takes: ``FUSED_KERNELS_ATTENTION_PATH=hopper`` runs
+every call the Hopper forward supports on it, ``portable`` none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference.attention as twin
+from kernels._mode import DEVICE, INTERPRETER
+from kernels.attention import configs, flash_attention, flash_attention_varlen, ops
+from tests._numerics import assert_no_worse_than_torch
+from tests.test_attention import _low_precision_attention
+
+ON_HOPPER = not INTERPRETER and torch.cuda.is_available() and configs.is_hopper(torch.device("cuda"))
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (H100, H200)")
+ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def test_path_comes_from_the_environment_and_rejects_unknown_names(monkeypatch):
+    monkeypatch.delenv(configs.PATH_ENV, raising=False)
+    assert configs.path() == "auto"
+    monkeypatch.setenv(configs.PATH_ENV, "portable")
+    assert configs.path() == "portable"
+    monkeypatch.setenv(configs.PATH_ENV, "hopper")
+    assert configs.path() == "hopper"
+    monkeypatch.setenv(configs.PATH_ENV, "fast")
+    with pytest.raises(ValueError, match=configs.PATH_ENV):
+        configs.path()
+
+
+def test_forced_path_sets_and_restores_the_environment(monkeypatch):
+    monkeypatch.delenv(configs.PATH_ENV, raising=False)
+    with configs.forced_path("portable"):
+        assert configs.path() == "portable"
+        with configs.forced_path("auto"):
+            assert configs.path() == "auto"
+        assert configs.path() == "portable"
+    assert configs.PATH_ENV not in __import__("os").environ
+    with pytest.raises(ValueError, match="path"), configs.forced_path("fast"):
+        pass
+
+
+def test_cpu_tensors_never_take_the_hopper_path():
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    assert not configs.is_hopper(q.device)
+    assert not ops.uses_hopper_forward(q, q, q)
+
+
+def _qkv(b, hq, hkv, sq, sk, d, dtype, layout="bhsd", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d))
+    if layout == "bshd":  # (B, S, H, D) storage seen as (B, H, S, D): strided views, no copy
+        return [torch.randn(s[0], s[2], s[1], s[3], generator=g).to(DEVICE, dtype).transpose(1, 2) for s in shapes]
+    return [torch.randn(*s, generator=g).to(DEVICE, dtype) for s in shapes]
+
+
+HOPPER_CASES = [  # (B, Hq, Hkv, Sq, Sk, D, causal, window, dtype, layout)
+    (2, 4, 4, 128, 128, 128, False, (-1, -1), torch.bfloat16, "bhsd"),
+    (2, 4, 2, 200, 300, 128, True, (-1, -1), torch.bfloat16, "bhsd"),
+    (1, 4, 1, 300, 200, 64, True, (-1, -1), torch.float16, "bhsd"),
+    (2, 3, 3, 1000, 1000, 64, False, (-1, -1), torch.bfloat16, "bhsd"),
+    (1, 2, 2, 129, 1, 128, False, (-1, -1), torch.float16, "bhsd"),
+    (1, 2, 2, 1, 513, 128, True, (-1, -1), torch.bfloat16, "bhsd"),
+    (1, 8, 2, 777, 777, 96, True, (-1, -1), torch.bfloat16, "bhsd"),
+    (1, 2, 1, 250, 250, 40, False, (-1, -1), torch.float16, "bhsd"),
+    (2, 4, 2, 300, 300, 128, True, (-1, -1), torch.bfloat16, "bshd"),
+    (1, 4, 4, 1100, 1100, 64, False, (-1, -1), torch.float16, "bshd"),
+    (1, 2, 2, 500, 700, 128, False, (100, 20), torch.float16, "bhsd"),
+    (1, 2, 2, 500, 400, 64, False, (50, -1), torch.bfloat16, "bhsd"),
+    (1, 2, 2, 300, 300, 128, True, (64, 0), torch.bfloat16, "bhsd"),
+    (1, 2, 2, 70, 1500, 128, False, (-1, 8), torch.bfloat16, "bhsd"),
+]
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=str)
+def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(case):
+    *dims, causal, window, dtype, layout = case
+    q, k, v = _qkv(*dims, dtype, layout)
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_forward(q, k, v)
+        o, lse = flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+    with configs.forced_path("portable"):
+        assert not ops.uses_hopper_forward(q, k, v)
+        o_portable, lse_portable = flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+    reference = twin.attention(q.double(), k.double(), v.double(), causal=causal, window_size=window)
+    peer = _low_precision_attention(q, k, v, causal, window)
+    assert_no_worse_than_torch("o", o, peer, reference, atol=ATOL[dtype])
+    assert_no_worse_than_torch("o (portable)", o_portable, peer, reference, atol=ATOL[dtype])
+    # rows that see no key: lse -inf and o 0 on both paths
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_portable))
+    finite = torch.isfinite(lse)
+    torch.testing.assert_close(lse[finite], lse_portable[finite], rtol=0, atol=1e-4)
+    assert torch.equal(o[~finite], torch.zeros_like(o[~finite]))
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_hopper_forward_gradients_flow_through_the_portable_backward():
+    q, k, v = (t.requires_grad_(True) for t in _qkv(1, 4, 2, 333, 333, 128, torch.bfloat16))
+    do = torch.randn_like(q)
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_forward(q, k, v)
+        grads = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
+    with configs.forced_path("portable"):
+        expected = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+
+
+def test_auto_takes_the_hopper_forward_at_head_dim_128_on_grids_of_two_programs_per_sm():
+    assert configs.prefers_hopper_forward(128, 264, 132)
+    assert not configs.prefers_hopper_forward(128, 263, 132)
+    assert not configs.prefers_hopper_forward(64, 10_000, 132)
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():
+    big = _qkv(2, 16, 16, 2048, 2048, 128, torch.bfloat16)  # 512 programs
+    small = _qkv(1, 2, 2, 300, 300, 128, torch.bfloat16)
+    narrow = _qkv(2, 16, 16, 2048, 2048, 64, torch.bfloat16)
+    with configs.forced_path("auto"):
+        assert ops.uses_hopper_forward(*big)
+        assert not ops.uses_hopper_forward(*small) and not ops.uses_hopper_forward(*narrow)
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_forward(*small) and ops.uses_hopper_forward(*narrow)
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("why", ["dropout", "fp32", "packed", "unaligned stride", "head dim 256", "portable path"])
+def test_calls_the_hopper_forward_does_not_take_run_the_portable_kernel(why):
+    dtype = torch.float32 if why == "fp32" else torch.bfloat16
+    d = {"unaligned stride": 36, "head dim 256": 256}.get(why, 64)  # 36: a 72-byte row stride, which TMA cannot take
+    q, k, v = _qkv(1, 2, 2, 100, 100, d, dtype)
+    if why == "packed":
+        packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+        cu = torch.tensor([0, 60, 100], device=DEVICE, dtype=torch.int32)
+        assert not ops.uses_hopper_forward(*packed, varlen=(cu, cu, 60, 60))
+        o = flash_attention_varlen(*packed, cu, cu, 60, 60, causal=True)
+        with configs.forced_path("portable"):
+            first = flash_attention(*(t[:60].transpose(0, 1)[None] for t in packed), causal=True)
+        torch.testing.assert_close(o[:60], first[0].transpose(0, 1), rtol=0, atol=1.6e-2)
+        return
+    dropout_p = 0.1 if why == "dropout" else 0.0
+    path = "portable" if why == "portable path" else "hopper"
+    with configs.forced_path(path):
+        assert not ops.uses_hopper_forward(q, k, v, dropout_p)
+        o = flash_attention(q, k, v, causal=True, dropout_p=dropout_p, seed=5)
+    assert torch.isfinite(o).all()
+    if dropout_p == 0.0:
+        reference = twin.attention(q.double(), k.double(), v.double(), causal=True)
+        peer = _low_precision_attention(q, k, v, True, (-1, -1))
+        assert_no_worse_than_torch("o", o, peer, reference, atol=2e-5 if dtype == torch.float32 else 1.6e-2)
