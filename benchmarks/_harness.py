@@ -218,9 +218,12 @@ def _metric(records: list[dict]) -> str:
     return "gbps" if "gbps" in records[0] else "tflops"
 
 
-#: Peers whose ratio gets a column of its own in a family's table (keyed by the family name's first word): the
-#: peers the family's speed targets are stated against, beside the ratio to the best peer.
-RATIO_PEERS: dict[str, tuple[str, ...]] = {"attention": ("sdpa-flash", "flex", "sdpa-cudnn")}
+#: Peers whose ratio gets a column of its own in a family's table (keyed by the family's name, else its name's
+#: first word): the peers the family's speed targets are stated against, beside the ratio to the best peer.
+RATIO_PEERS: dict[str, tuple[str, ...]] = {
+    "attention": ("sdpa-flash", "flex", "sdpa-cudnn"),
+    "attention-varlen": ("sdpa-flash-padded", "sdpa-cudnn-padded"),
+}
 
 
 def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras: Sequence[str] = ()) -> str:
@@ -252,7 +255,8 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         f"{'smoke mode: these timings mean nothing' if SMOKE else 'CUDA events, median, L2 flushed'}.",
         "",
     ]
-    ratio_peers = [p for p in RATIO_PEERS.get(family.split("-")[0], ()) if p in providers]
+    named = RATIO_PEERS.get(family, RATIO_PEERS.get(family.split("-")[0], ()))
+    ratio_peers = [p for p in named if p in providers]
     head = ["direction", "dtype", *shape_keys, *providers, *(f"ours / {p}" for p in ratio_peers), "ours / best peer",
             "ours / ceiling"]
     lines.append("| " + " | ".join(head) + " |")

@@ -1,9 +1,12 @@
 """Attention benchmarks: ours vs SDPA's flash, cuDNN and efficient backends (each forced with
 ``sdpa_kernel``) and FlexAttention (``torch.compile(flex_attention)``, causal through a block mask). Points
 (the family's target table): B * S = 16k tokens, H * D = 2048, D in {64, 128}, S in {1024, 4096, 16384}, causal on/off,
-fp16 and bf16; the providers of a point run in alternating rounds (``measure_interleaved``).
+fp16 and bf16; the providers of a point run in alternating rounds (``measure_interleaved``). Beside it:
+``attention-shapes`` (shapes outside that grid: head dims 96 and 256, GQA, (B, S, H, D) views, Sq != Sk),
+windows, packed batches and dropout. Every table has a column for ours against SDPA's cuDNN backend where
+cuDNN can run the point (what ``F.scaled_dot_product_attention`` picks on Hopper).
 
-FLOPs: forward 4 * B * H * Sq * Sk * D (halved when causal), backward 2.5x the forward.
+FLOPs: forward 4 * B * H * (visible query-key pairs) * D, backward 2.5x the forward.
 """
 
 from __future__ import annotations
@@ -84,6 +87,66 @@ def test_attention(measure_interleaved, b, h, s, d, dtype, causal, direction):
                         shape={"B": b, "H": h, "S": s, "D": d, "causal": causal}, x_key="S", flops=flops)
 
 
+#: (B, Hq, Hkv, Sq, Sk, D, causal, layout): shapes a user meets outside the target grid. "bshd": q, k, v are
+#: (B, S, H, D) tensors seen as (B, H, S, D) views, without a copy.
+SHAPES = [
+    (2, 32, 8, 4096, 4096, 128, True, "bhsd"),
+    (8, 16, 16, 2000, 2000, 128, False, "bhsd"),
+    (4, 16, 16, 3000, 3000, 64, True, "bhsd"),
+    (8, 16, 16, 2048, 2048, 256, True, "bhsd"),
+    (4, 20, 20, 2048, 2048, 96, False, "bhsd"),
+    (4, 32, 32, 4096, 4096, 128, True, "bshd"),
+    (1, 32, 32, 512, 8192, 128, False, "bhsd"),
+]
+
+
+def _tensors(b, hq, hkv, sq, sk, d, dtype, layout):
+    if layout == "bshd":
+        return [torch.randn(b, s, h, d, device=DEVICE, dtype=dtype).transpose(1, 2)
+                for h, s in ((hq, sq), (hkv, sk), (hkv, sk))]
+    return [torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for h, s in ((hq, sq), (hkv, sk), (hkv, sk))]
+
+
+def _expanded_kv(fn, group: int):
+    """A peer that takes K/V with as many heads as Q: GQA calls expand K/V first (outside the timed region
+    would be kinder to it; inside, it is what a caller without native GQA pays)."""
+    if group == 1:
+        return fn
+    return lambda q, k, v: fn(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("dtype", [torch.float32] if SMOKE else [torch.float16, torch.bfloat16],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize(("b", "hq", "hkv", "sq", "sk", "d", "causal", "layout"),
+                         [(1, 4, 2, 48, 64, 24, True, "bshd")] if SMOKE else SHAPES, ids=str)
+def test_attention_shapes(measure_interleaved, b, hq, hkv, sq, sk, d, causal, layout, dtype, direction):
+    """Every provider on shapes outside the target grid. Causal is bottom-right (ours) where Sq != Sk; the
+    peers are given such points only when Sq == Sk, where the two alignments agree."""
+    q, k, v = _tensors(b, hq, hkv, sq, sk, d, dtype, layout)
+    pairs = sum(min(sk, max(0, i + sk - sq + 1)) for i in range(sq)) if causal else sq * sk
+    flops = 4.0 * b * hq * pairs * d
+    runners = {}
+    for provider in PROVIDERS:
+        if provider != "ours" and causal and sq != sk:
+            continue
+        try:
+            fn = _provider_fn(provider, sk, causal)
+            if provider != "ours":
+                fn = _expanded_kv(fn, hq // hkv)
+            run, grad_to_none, _ = _runner(fn, q, k, v, direction, flops)
+        except pytest.skip.Exception:
+            continue
+        except (RuntimeError, ValueError) as err:  # a backend that refuses this shape, dtype or head dim
+            print(f"{provider} cannot run this point: {str(err).splitlines()[0][:120]}")
+            continue
+        runners[provider] = (run, grad_to_none)
+    measure_interleaved(runners, rounds=ROUNDS, family="attention-shapes", direction=direction, dtype=dtype,
+                        shape={"B": b, "Hq": hq, "Hkv": hkv, "Sq": sq, "Sk": sk, "D": d, "causal": causal,
+                               "layout": layout},
+                        x_key="D", flops=flops * (2.5 if direction == "bwd" else 1.0))
+
+
 WINDOW = 1024
 
 
@@ -140,10 +203,10 @@ def _varlen_lengths(n: int, lo: int, hi: int) -> list[int]:
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("dtype", [torch.float32] if SMOKE else [torch.float16, torch.bfloat16],
                          ids=lambda v: str(v).replace("torch.", ""))
-@pytest.mark.parametrize("provider", ["ours", "sdpa-flash-padded"])
+@pytest.mark.parametrize("provider", ["ours", "sdpa-flash-padded", "sdpa-cudnn-padded"])
 def test_attention_varlen(measure, provider, dtype, direction):
     """Causal attention over 16 sequences of 256-4096 tokens (H=16, D=128): ours packed against SDPA's
-    flash backend on the zero-padded batch. FLOPs count each sequence's own causal work, for both."""
+    flash and cuDNN backends on the zero-padded batch. FLOPs count each sequence's own causal work, for all."""
     lengths = [5, 17, 32] if SMOKE else _varlen_lengths(16, 256, 4096)
     h, d = (2, 16) if SMOKE else (16, 128)
     if provider != "ours" and SMOKE:
@@ -156,7 +219,7 @@ def test_attention_varlen(measure, provider, dtype, direction):
         fn = lambda a, b, c: flash_attention_varlen(a, b, c, cu, cu, longest, longest, causal=True)
     else:
         q, k, v = (torch.randn(len(lengths), h, longest, d, device=DEVICE, dtype=dtype) for _ in range(3))
-        fn = sdpa_attention("sdpa-flash", True)
+        fn = sdpa_attention(provider.removesuffix("-padded"), True)
     run, grad_to_none, flops = _runner(fn, q, k, v, direction, flops)
     measure(run, grad_to_none=grad_to_none, family="attention-varlen", provider=provider, direction=direction,
             dtype=dtype, shape={"sequences": len(lengths), "tokens": total, "H": h, "D": d}, x_key="D", flops=flops)
@@ -167,15 +230,16 @@ def test_attention_varlen(measure, provider, dtype, direction):
                          [(2, 2, 64, 16, torch.float32)] if SMOKE else
                          [(4, 2048 // d, 4096, d, dt) for dt in (torch.float16, torch.bfloat16) for d in (64, 128)],
                          ids=lambda v: str(v).replace("torch.", ""))
-@pytest.mark.parametrize("provider", ["ours", "sdpa-flash"])
+@pytest.mark.parametrize("provider", ["ours", "sdpa-flash", "sdpa-cudnn"])
 def test_attention_dropout(measure, provider, b, h, s, d, dtype, direction):
-    """Causal attention with dropout_p = 0.1 on the probabilities: ours against SDPA's flash backend."""
+    """Causal attention with dropout_p = 0.1 on the probabilities: ours against SDPA's flash and cuDNN
+    backends (each draws its own mask; the work is the same)."""
     if provider != "ours" and SMOKE:
         pytest.skip(f"{provider} needs a GPU")
     if provider == "ours":
         fn = lambda q, k, v: flash_attention(q, k, v, causal=True, dropout_p=0.1)
     else:
-        fn = sdpa_attention("sdpa-flash", True, dropout_p=0.1)
+        fn = sdpa_attention(provider, True, dropout_p=0.1)
 
     q, k, v = (torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for _ in range(3))
     flops = 2.0 * b * h * s * s * d

@@ -63,6 +63,17 @@ def test_markdown_table_has_a_ratio_column_for_each_named_peer(monkeypatch):
     assert "| 4.000x | 2.00x | 100% |" in next(line for line in table.splitlines() if line.startswith("| fwd"))
 
 
+def test_a_family_of_its_own_in_ratio_peers_overrides_its_first_word(monkeypatch):
+    import benchmarks._harness as harness
+
+    rec = _recorder()
+    monkeypatch.setitem(harness.RATIO_PEERS, "toy", ("torch.compile",))
+    monkeypatch.setitem(harness.RATIO_PEERS, "toy-variant", ("torch",))
+    table = markdown_table("toy-variant", rec.records, rec.ceilings, extras=("saved_bytes_per_element",))
+    header = next(line for line in table.splitlines() if line.startswith("| direction"))
+    assert header.split(" | ")[6:8] == ["ours / torch", "ours / best peer"]
+
+
 def test_write_results_writes_json_markdown_plot_and_ceilings(tmp_path):
     rec = _recorder()
     paths = write_results(rec, out_dir=tmp_path)
