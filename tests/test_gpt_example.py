@@ -19,17 +19,22 @@ SIZE = by_mode(interpreter={"seq_len": 16, "n_layer": 1, "n_head": 2, "d_model":
                cuda={"seq_len": 128, "n_layer": 2, "n_head": 4, "d_model": 256})
 BATCH = by_mode(interpreter=2, cuda=8)
 AUTOCAST = by_mode(interpreter=None, cuda=torch.bfloat16)
-# Per-step loss agreement of the two backends with dropout 0. fp32 (interpreter): the kernels and torch
-# differ by summation order only. bf16 autocast: each attention output is rounded to bf16 (8 bits), and 20
-# AdamW steps compound the differences.
-LOSS_RTOL = by_mode(interpreter=1e-4, cuda=2e-2)
+# Per-step loss agreement of the two backends with dropout 0, trained in fp32: the kernels and torch differ
+# by summation order only (on the GPU the fused fp32 run matched torch's to three decimals at every step).
+LOSS_RTOL = by_mode(interpreter=1e-4, cuda=1e-3)
+# Under bf16 autocast the trajectory is chaotic: each attention output is rounded to 8 bits and 20 AdamW
+# steps amplify that. On an H200 torch alone gave 3.50 or 4.76 at step 12 when its init moved by one part
+# in a million, so step-by-step equality is not a property of a correct kernel; the mean of the last steps is.
+LAST_STEPS = 5
+LAST_MEAN_RTOL = 0.1
 # The one-layer toy needs a larger step to move its loss by 0.5 within 20 steps.
 LR = by_mode(interpreter=3e-3, cuda=1e-3)
 
 
 def _train(backend, dropout, steps=STEPS, **kwargs):
     config = GPTConfig(dropout=dropout, backend=backend, **SIZE)
-    return train(config, steps=steps, batch=BATCH, device=DEVICE, autocast_dtype=AUTOCAST, lr=LR, **kwargs)
+    kwargs.setdefault("autocast_dtype", AUTOCAST)
+    return train(config, steps=steps, batch=BATCH, device=DEVICE, lr=LR, **kwargs)
 
 
 def test_the_fused_backend_swaps_in_our_modules_and_keeps_the_init():
@@ -44,12 +49,20 @@ def test_the_fused_backend_swaps_in_our_modules_and_keeps_the_init():
         assert torch.equal(a, b), name
 
 
-def test_twenty_steps_without_dropout_give_the_same_losses_on_both_backends():
-    fused, plain = _train("fused", 0.0), _train("torch", 0.0)
+def test_twenty_fp32_steps_without_dropout_give_the_same_losses_on_both_backends():
+    fused, plain = _train("fused", 0.0, autocast_dtype=None), _train("torch", 0.0, autocast_dtype=None)
     assert len(fused.losses) == len(plain.losses) == STEPS
     for step, (a, b) in enumerate(zip(fused.losses, plain.losses, strict=True), 1):
         assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: fused {a:.5f} vs torch {b:.5f}"
     assert plain.losses[-1] < plain.losses[0] - 0.5  # it trains at all (from ln 256 = 5.55)
+
+
+@pytest.mark.cuda
+def test_bf16_training_without_dropout_ends_where_torch_ends():
+    fused, plain = _train("fused", 0.0), _train("torch", 0.0)
+    last_fused, last_plain = (sum(r.losses[-LAST_STEPS:]) / LAST_STEPS for r in (fused, plain))
+    assert abs(last_fused - last_plain) <= LAST_MEAN_RTOL * last_plain, (fused.losses, plain.losses)
+    assert last_fused < fused.losses[0] - 0.5, fused.losses
 
 
 def test_twenty_steps_with_dropout_decrease_the_loss():
