@@ -1,9 +1,11 @@
 """Philox4x32-10 in Triton: the counter-based generator behind every dropout mask in this package.
 
-Implements ``philox4x32`` (four 32-bit words from a 128-bit counter and a 64-bit key) and ``philox_key``
-(the key from two run-time ints, or from a seed on the device). The element-wise dropout kernel and
-attention's dropout both draw from it; what counter each element uses is each family's rule, stated in
-its twin (``reference/dropout.py``, ``reference/attention.py``).
+Implements ``philox4x32`` (four 32-bit words from a 128-bit counter and a 64-bit key), ``philox_key``
+(the key from two run-time ints, or from a seed on the device), and the element-wise dropout layout:
+``chunk_words`` (the four words of one chunk of ``4 * LANE_STRIDE`` elements) and ``scaled_where_kept``.
+The element-wise dropout kernel, the fused residual + dropout + norm and attention's dropout all draw
+from it; what counter each element uses is stated in the twins (``reference/dropout.py``,
+``reference/attention.py``).
 
 Derived from: Salmon, Moraes, Dror and Shaw, "Parallel random numbers: as easy as 1, 2, 3" (SC 2011). The
 round constants are the twin's (``reference.dropout.PHILOX_*``), imported here so the two cannot drift.
@@ -24,6 +26,7 @@ _M1 = tl.constexpr(twin.PHILOX_M1)
 _W0 = tl.constexpr(twin.PHILOX_W0)
 _W1 = tl.constexpr(twin.PHILOX_W1)
 _ROUNDS = tl.constexpr(twin.PHILOX_ROUNDS)
+LANE_STRIDE = tl.constexpr(twin.LANE_STRIDE)
 
 
 @triton.jit
@@ -60,3 +63,21 @@ def philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory):
     k0 = tl.cast(seed_lo, tl.uint32) ^ (from_memory & 0xFFFFFFFF).to(tl.uint32)
     k1 = tl.cast(seed_hi, tl.uint32) ^ ((from_memory >> 32) & 0xFFFFFFFF).to(tl.uint32)
     return k0, k1
+
+
+@triton.jit
+def chunk_words(chunk, k0, k1):
+    """The four Philox words of chunk ``chunk`` (int64) of the element-wise dropout layout
+    (``reference/dropout.py``): word ``w`` decides elements ``chunk * 4 * LANE_STRIDE + w * LANE_STRIDE + j``
+    for ``j`` in ``0 .. LANE_STRIDE - 1`` (each word a ``LANE_STRIDE`` tensor)."""
+    lane = tl.arange(0, LANE_STRIDE)
+    group = (chunk * LANE_STRIDE + lane).to(tl.uint64)
+    zero = tl.zeros_like(lane).to(tl.uint32)
+    return philox4x32(group.to(tl.uint32), (group >> 32).to(tl.uint32), zero, zero, k0, k1)
+
+
+@triton.jit
+def scaled_where_kept(x, word, threshold, scale):
+    """``x * scale`` where the word clears the threshold, ``x * 0`` elsewhere (NaN stays NaN, as torch), fp32."""
+    factor = tl.where(word >= threshold, scale, 0.0)
+    return x.to(tl.float32) * factor

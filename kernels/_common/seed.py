@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from reference.dropout import keep_threshold
+
 _MASK32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
 
@@ -68,7 +70,7 @@ _PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
 
 def seed_pointer(seed_tensor: torch.Tensor | None, like: torch.Tensor,
                  traceable: bool) -> tuple[torch.Tensor, int]:
-    """A kernel's ``(seed_ptr, seed_in_memory)`` arguments (``philox_key`` in ``kernels.dropout._kernels``): a
+    """A kernel's ``(seed_ptr, seed_in_memory)`` arguments (``philox_key`` in ``kernels._common.philox``): a
     device seed itself and 1, or (no device seed: the key travels as ints) an int64 placeholder that is
     never read and 0.
 
@@ -132,3 +134,15 @@ def draw_seed(device: torch.device) -> int:
         gen.set_offset(offset + 4)  # torch's Philox ops advance the offset in steps of 4
         return splitmix64(splitmix64(gen.initial_seed()) ^ offset)
     return int(torch.empty((), dtype=torch.int64).random_().item()) & _MASK64
+
+
+def dropout_scalars(p: float, seed: Seed) -> tuple:
+    """A Philox dropout kernel's scalar arguments for ``0 < p < 1``: ``(seed_lo, seed_hi, seed_tensor,
+    threshold, scale)``. An int seed travels as its two key words (``seed_tensor`` None: the launcher passes
+    a placeholder); a device seed (a 0-d int64 tensor) is read by the kernel and the words are 0. The keep
+    threshold is the dropout family's rule (``reference.dropout.keep_threshold``) as a signed 32-bit word,
+    the scale ``1 / (1 - p)``."""
+    threshold = int32_word(keep_threshold(p))
+    if isinstance(seed, torch.Tensor):
+        return 0, 0, seed, threshold, 1.0 / (1.0 - p)
+    return *key_words(seed), None, threshold, 1.0 / (1.0 - p)

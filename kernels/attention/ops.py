@@ -36,8 +36,7 @@ from kernels._common import (
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import (
     Seed,
-    int32_word,
-    key_words,
+    dropout_scalars,
     op_seed_args,
     seed_for_call,
     seed_from_op_args,
@@ -50,7 +49,6 @@ from kernels.attention._kernels import (
     _attn_bwd_preprocess_kernel,
     _attn_fwd_kernel,
 )
-from reference.dropout import keep_threshold
 
 _KERNEL_NAMES = ("_attn_fwd_kernel", "_attn_bwd_kernel", "_attn_bwd_preprocess_kernel")
 
@@ -76,15 +74,9 @@ _NO_DROPOUT = (0, 0, None, 0, 1.0)
 
 
 def _dropout_args(dropout_p: float, seed: Seed) -> tuple:
-    """Attention dropout as ``(seed_lo, seed_hi, seed_tensor, threshold, inv_keep)``: the seed's two Philox key
-    words (or a device seed the kernel reads, ``seed_tensor``), the keep threshold (the dropout family's
-    rule; 0 keeps everything) and ``1 / (1 - p)``."""
-    if dropout_p == 0.0:
-        return _NO_DROPOUT
-    threshold = int32_word(keep_threshold(dropout_p))
-    if isinstance(seed, torch.Tensor):
-        return 0, 0, seed, threshold, 1.0 / (1.0 - dropout_p)
-    return *key_words(seed), None, threshold, 1.0 / (1.0 - dropout_p)
+    """Attention dropout as ``(seed_lo, seed_hi, seed_tensor, threshold, inv_keep)``
+    (``kernels._common.seed.dropout_scalars``; a threshold of 0 keeps everything)."""
+    return _NO_DROPOUT if dropout_p == 0.0 else dropout_scalars(dropout_p, seed)
 
 
 def _drop_launch_args(drop: tuple, like: torch.Tensor, traceable: bool) -> tuple[tuple, dict]:

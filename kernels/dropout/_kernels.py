@@ -20,17 +20,7 @@ any element count works.
 import triton
 import triton.language as tl
 
-import reference.dropout as twin
-from kernels._common.philox import philox4x32, philox_key
-
-LANE_STRIDE = tl.constexpr(twin.LANE_STRIDE)
-
-
-@triton.jit
-def _scaled_where_kept(x, word, threshold, scale):
-    """``x * scale`` where the word clears the threshold, ``x * 0`` elsewhere (NaN stays NaN, as torch)."""
-    factor = tl.where(word >= threshold, scale, 0.0)
-    return x.to(tl.float32) * factor
+from kernels._common.philox import LANE_STRIDE, chunk_words, philox_key, scaled_where_kept
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
@@ -65,10 +55,8 @@ def _dropout_fwd_kernel(
         x1 = tl.load(x_ptr + offs1, mask=offs1 < n, eviction_policy="evict_first")
         x2 = tl.load(x_ptr + offs2, mask=offs2 < n, eviction_policy="evict_first")
         x3 = tl.load(x_ptr + offs3, mask=offs3 < n, eviction_policy="evict_first")
-        group = (chunk * LANE_STRIDE + lane).to(tl.uint64)
-        zero = tl.zeros_like(lane).to(tl.uint32)
-        w0, w1, w2, w3 = philox4x32(group.to(tl.uint32), (group >> 32).to(tl.uint32), zero, zero, k0, k1)
-        tl.store(y_ptr + offs0, _scaled_where_kept(x0, w0, thr, scale).to(out_ty), mask=offs0 < n)
-        tl.store(y_ptr + offs1, _scaled_where_kept(x1, w1, thr, scale).to(out_ty), mask=offs1 < n)
-        tl.store(y_ptr + offs2, _scaled_where_kept(x2, w2, thr, scale).to(out_ty), mask=offs2 < n)
-        tl.store(y_ptr + offs3, _scaled_where_kept(x3, w3, thr, scale).to(out_ty), mask=offs3 < n)
+        w0, w1, w2, w3 = chunk_words(chunk, k0, k1)
+        tl.store(y_ptr + offs0, scaled_where_kept(x0, w0, thr, scale).to(out_ty), mask=offs0 < n)
+        tl.store(y_ptr + offs1, scaled_where_kept(x1, w1, thr, scale).to(out_ty), mask=offs1 < n)
+        tl.store(y_ptr + offs2, scaled_where_kept(x2, w2, thr, scale).to(out_ty), mask=offs2 < n)
+        tl.store(y_ptr + offs3, scaled_where_kept(x3, w3, thr, scale).to(out_ty), mask=offs3 < n)

@@ -37,8 +37,7 @@ from kernels._common import (
 )
 from kernels._common.seed import (
     Seed,
-    int32_word,
-    key_words,
+    dropout_scalars,
     op_seed_args,
     seed_for_call,
     seed_from_op_args,
@@ -47,18 +46,9 @@ from kernels._common.seed import (
 )
 from kernels.dropout import configs
 from kernels.dropout._kernels import _dropout_fwd_kernel
-from reference.dropout import LANE_STRIDE, keep_threshold
+from reference.dropout import LANE_STRIDE
 
 _CHUNK = 4 * LANE_STRIDE  # elements per Philox call group: four runs of LANE_STRIDE
-
-
-def _kernel_scalars(p: float, seed: Seed) -> tuple:
-    """The kernel's scalar arguments for ``(p, seed)``: key words, device seed (or None), keep threshold,
-    scale. A device seed (a 0-d int64 tensor) is read by the kernel; an int is split into the key words."""
-    threshold = int32_word(keep_threshold(p))
-    if isinstance(seed, torch.Tensor):
-        return 0, 0, seed, threshold, 1.0 / (1.0 - p)
-    return *key_words(seed), None, threshold, 1.0 / (1.0 - p)  # the int's placeholder comes at launch
 
 
 def _launch(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: bool) -> None:
@@ -83,13 +73,13 @@ def _launch(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: 
 def _dropout_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = False,
                   scalars: tuple | None = None) -> torch.Tensor:
     """Seeded dropout for ``0 < p < 1`` and a 64-bit unsigned ``seed`` (or a device seed): the one
-    implementation behind the eager path and the registered op (``scalars``: ``_kernel_scalars(p, seed)``
+    implementation behind the eager path and the registered op (``scalars``: ``dropout_scalars(p, seed)``
     when already known)."""
     if backend_for(x) == "reference":
         return twin.dropout(x, p, seed=seed_value(seed))
     src = x.contiguous()
     out = torch.empty_like(src)
-    _launch(src, out, scalars or _kernel_scalars(p, seed), traceable=traceable)
+    _launch(src, out, scalars or dropout_scalars(p, seed), traceable=traceable)
     return out
 
 
@@ -103,7 +93,7 @@ class _DropoutFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float, seed: Seed) -> torch.Tensor:
-        ctx.p, ctx.seed, ctx.scalars = p, seed, _kernel_scalars(p, seed)
+        ctx.p, ctx.seed, ctx.scalars = p, seed, dropout_scalars(p, seed)
         return _dropout_impl(x, p, seed, scalars=ctx.scalars)
 
     @staticmethod
@@ -135,7 +125,7 @@ def _dropout_inplace_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: b
     if backend_for(x) == "reference" or not x.is_contiguous():
         x.copy_(_dropout_impl(x, p, seed, traceable=traceable))
     else:
-        _launch(x, x, _kernel_scalars(p, seed), traceable=traceable)
+        _launch(x, x, dropout_scalars(p, seed), traceable=traceable)
 
 
 @triton_op(f"{LIBRARY_NAMESPACE}::dropout_", mutates_args={"x"})
