@@ -191,7 +191,8 @@ def add_dropout_norm_backward(dy, dresidual_out, residual_out, weight, *, kind="
     ``dr = norm_backward(dy, residual_out) + dresidual_out`` in float32 (``dresidual_out``: the gradient that
     reaches ``residual_out`` from later blocks, may be None); ``dresidual = dr`` (rounded to
     ``residual_dtype``, default ``residual_out``'s); dropout is linear with a fixed mask, so
-    ``dx = dropout(dr)`` with the forward's seed (rounded to ``x_dtype``, default ``dy``'s). ``db`` is None for
+    ``dx = dropout(dr)`` with the forward's seed, applied to ``dr`` rounded to ``x_dtype`` (default ``dy``'s),
+    as torch's dropout backward receives the gradient of its output in its output's dtype. ``db`` is None for
     RMSNorm, ``dw`` without a weight.
     """
     n = residual_out.shape[-1]
@@ -207,5 +208,7 @@ def add_dropout_norm_backward(dy, dresidual_out, residual_out, weight, *, kind="
     if dresidual_out is not None:
         dr = dr + dresidual_out.float()
     apply_dropout = training and dropout_p > 0.0
-    dx = dropout_twin.dropout(dr, dropout_p, seed=seed) if apply_dropout else dr
-    return (dx.to(x_dtype or dy.dtype), dr.to(residual_dtype or residual_out.dtype), dw, db)
+    dx = dr.to(x_dtype or dy.dtype)
+    if apply_dropout:
+        dx = dropout_twin.dropout(dx, dropout_p, seed=seed)
+    return dx, dr.to(residual_dtype or residual_out.dtype), dw, db

@@ -391,3 +391,191 @@ def test_add_dropout_norm_twin_backward_is_autograd_of_the_three_ops(kind, dtype
     if res is not None:
         torch.testing.assert_close(dres.double(), grads["res"], rtol=tol, atol=tol)
     assert dres.dtype == r.dtype and dx.dtype == dtype
+
+
+# --- the fused residual + dropout + norm kernels ----------------------------------------------------------
+
+FUSED_CASES = [  # (kind, x dtype, residual, dropout_p, training); bf16 runs as fp16 under the interpreter
+    (kind, dtype if dtype in FLOAT_DTYPES else torch.float16, residual, p, training)
+    for kind, dtype, residual, p, training in (
+        ("layer", torch.float32, "same", 0.0, True),
+        ("layer", torch.float16, "same", 0.3, True),
+        ("layer", torch.bfloat16, "fp32 stream", 0.3, True),
+        ("rms", torch.bfloat16, None, 0.5, True),
+        ("rms", torch.float16, "fp32 stream", 0.3, False),
+        ("rms", torch.float32, "same", 0.1, True),
+        ("layer", torch.float32, None, 0.2, True),
+    )
+]
+FUSED_SHAPES = by_mode(interpreter=[(37, 300), (3, 4096), (5, 33)],
+                       cuda=[(37, 300), (3, 4096), (5, 33), (1000, 768), (64, 8192), (16, 20000), (8, 40000)])
+
+
+def _fused_inputs(m, n, kind, dtype, residual, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=g).to(DEVICE, dtype)
+    res = None
+    if residual == "same":
+        res = torch.randn(m, n, generator=g).to(DEVICE, dtype)
+    elif residual == "fp32 stream":
+        res = torch.randn(m, n, generator=g).to(DEVICE)
+    w = (torch.rand(n, generator=g) + 0.5).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE) if kind == "layer" else None
+    return x, res, w, b
+
+
+def _fused_and_twin(x, res, w, b, kind, p, training, **kw):
+    x, w = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    res = None if res is None else res.detach().requires_grad_(True)
+    b = None if b is None else b.detach().requires_grad_(True)
+    y, r = ops.add_dropout_norm(x, res, w, b, kind=kind, dropout_p=p, seed=77, training=training, **kw)
+    y_twin, r_twin = twin.add_dropout_norm(x.detach(), None if res is None else res.detach(), w.detach(),
+                                           None if b is None else b.detach(), kind=kind, dropout_p=p, seed=77,
+                                           training=training, **kw)
+    return (x, res, w, b), (y, r), (y_twin, r_twin)
+
+
+@pytest.mark.parametrize(("m", "n"), FUSED_SHAPES, ids=str)
+@pytest.mark.parametrize(("kind", "dtype", "residual", "p", "training"), FUSED_CASES, ids=str)
+def test_fused_add_dropout_norm_equals_its_twin(kind, dtype, residual, p, training, m, n):
+    """Forward: residual_out bit for bit (same mask, same roundings); y within the norm's rounding. Backward
+    (both outputs get a gradient): every gradient against the twin's hand-written backward."""
+    inputs, (y, r), (y_twin, r_twin) = _fused_and_twin(*_fused_inputs(m, n, kind, dtype, residual), kind, p, training)
+    assert r.dtype == r_twin.dtype and y.dtype == dtype and y.shape == r.shape == (m, n)
+    assert torch.equal(r, r_twin)
+    torch.testing.assert_close(y, y_twin, rtol=0, atol=ATOL[dtype])
+    _, res, w, b = inputs
+    g = torch.Generator().manual_seed(4)
+    dy = torch.randn(m, n, generator=g).to(DEVICE, dtype)
+    dr_out = torch.randn(m, n, generator=g).to(DEVICE, r.dtype)
+    grads = torch.autograd.grad((y, r), [t for t in inputs if t is not None], (dy, dr_out))
+    dx_t, dres_t, dw_t, db_t = twin.add_dropout_norm_backward(dy, dr_out, r.detach(), w.detach(), kind=kind,
+                                                              dropout_p=p, seed=77, training=training, x_dtype=dtype)
+    expected = [dx_t] + ([dres_t] if res is not None else []) + [dw_t] + ([db_t] if b is not None else [])
+    for name, got, want in zip(("dx", "dres", "dw", "db"), grads, expected, strict=False):
+        assert got.dtype == (want.dtype if name in ("dx", "dres") else torch.float32), name
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=scale * 4 * ATOL[got.dtype], msg=name)
+
+
+def test_fused_add_dropout_norm_drops_what_the_dropout_kernel_drops():
+    x = torch.randn(7, 3000, device=DEVICE)
+    for p, seed in ((0.25, 123), (0.5, 2**63 + 5)):
+        _, r = ops.add_dropout_norm(x, kind="rms", dropout_p=p, seed=seed)
+        assert torch.equal(r, dropout(x, p, seed=seed))
+    # the backward's dx is the same mask on the incoming gradient (gradient only through residual_out)
+    xg = x.clone().requires_grad_(True)
+    _, r = ops.add_dropout_norm(xg, kind="rms", dropout_p=0.25, seed=123)
+    dr = torch.randn_like(r)
+    (dx,) = torch.autograd.grad(r, xg, dr)
+    assert torch.equal(dx, dropout(dr, 0.25, seed=123))
+
+
+def test_fused_add_dropout_norm_with_cut_chunks_and_the_wide_paths():
+    """Small tiles (programs that start and end inside a dropout chunk, several tiles per backward program)
+    and rows wider than one tile (the chunked forward, the two-kernel backward) against the twin."""
+    from kernels.layernorm import configs
+
+    x, res, w, b = _fused_inputs(41, 300, "layer", torch.float32, "same")
+    for changes in ({"add_dropout_norm_tile": 512, "bwd_tile": 1024},
+                    {"max_fused_fwd": 64, "max_fused_bwd": 64, "chunk": 128, "wide_columns": 64}):
+        with configs.override(**changes):
+            inputs, (y, r), (y_twin, r_twin) = _fused_and_twin(x, res, w, b, "layer", 0.4, True)
+            assert torch.equal(r, r_twin), changes
+            torch.testing.assert_close(y, y_twin, rtol=0, atol=1e-5)
+            dy, dr_out = torch.randn_like(y), torch.randn_like(r)
+            dx, dres, dw, db = torch.autograd.grad((y, r), inputs, (dy, dr_out))
+            expected = twin.add_dropout_norm_backward(dy, dr_out, r.detach(), w, kind="layer", dropout_p=0.4,
+                                                      seed=77, x_dtype=torch.float32)
+            for name, got, want in zip(("dx", "dres", "dw", "db"), (dx, dres, dw, db), expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{name} {changes}")
+
+
+def test_fused_add_dropout_norm_gradient_of_y_alone_and_inference():
+    x, res, w, b = _fused_inputs(9, 64, "layer", torch.float32, "same")
+    inputs, (y, r), _ = _fused_and_twin(x, res, w, b, "layer", 0.3, True)
+    dy = torch.randn_like(y)
+    dx, dres, _, _ = torch.autograd.grad(y, inputs, dy)  # residual_out unused: no gradient from it
+    expected = twin.add_dropout_norm_backward(dy, None, r.detach(), w, kind="layer", dropout_p=0.3, seed=77,
+                                              x_dtype=torch.float32)
+    torch.testing.assert_close(dx, expected[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dres, expected[1], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        y2, r2 = ops.add_dropout_norm(x, res, w, b, dropout_p=0.3, seed=77)
+    assert torch.equal(r2, r) and torch.equal(y2, y.detach())
+    y3, r3 = ops.add_dropout_norm(x, res, w, b, dropout_p=0.3, seed=77, training=False)
+    assert torch.equal(r3, x + res)
+    torch.testing.assert_close(y3, F.layer_norm(x + res, (64,), w, b), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"x": "not a tensor"}, TypeError, "x must be a torch.Tensor"),
+    ({"x": torch.ones(2, 3, dtype=torch.int32)}, TypeError, "x must"),
+    ({"kind": "batch"}, ValueError, "kind"),
+    ({"kind": "rms", "bias": torch.zeros(8)}, ValueError, "bias"),
+    ({"residual": torch.zeros(2, 4)}, ValueError, "residual"),
+    ({"weight": torch.ones(4)}, ValueError, "weight"),
+    ({"dropout_p": 1.0}, ValueError, "dropout_p"),
+    ({"dropout_p": -0.1}, ValueError, "dropout_p"),
+    ({"eps": float("nan")}, ValueError, "eps"),
+    ({"residual_dtype": torch.int8}, TypeError, "residual_dtype"),
+])
+def test_fused_add_dropout_norm_bad_inputs(kwargs, error, match):
+    args = {"x": torch.ones(2, 8, device=DEVICE)}
+    args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    x = args.pop("x")
+    with pytest.raises(error, match=match):
+        ops.add_dropout_norm(x, **args)
+
+
+def test_add_dropout_norm_module_is_the_function_with_its_parameters():
+    from kernels.layernorm import AddDropoutNorm
+
+    block = AddDropoutNorm(64, p=0.2, residual_dtype=torch.float32).to(DEVICE)
+    assert [name for name, _ in block.named_parameters()] == ["weight", "bias"]
+    assert not hasattr(AddDropoutNorm(64, kind="rms"), "bias") or AddDropoutNorm(64, kind="rms").bias is None
+    assert AddDropoutNorm(64, kind="rms").eps is None and block.eps == 1e-5
+    x = torch.randn(5, 64, device=DEVICE, dtype=torch.float16)
+    torch.manual_seed(3)
+    y, r = block(x)
+    torch.manual_seed(3)
+    y_f, r_f = ops.add_dropout_norm(x, None, block.weight, block.bias, dropout_p=0.2, residual_dtype=torch.float32)
+    assert r.dtype == torch.float32 and torch.equal(r, r_f) and torch.equal(y, y_f)
+    block.eval()
+    _, r_eval = block(x, r)
+    assert torch.equal(r_eval, x.float() + r)
+    assert "kind='layer'" in repr(block)
+    for bad in ({"kind": "batch"}, {"normalized_shape": (4, 4)}, {"p": 1.0}):
+        with pytest.raises(ValueError):
+            AddDropoutNorm(**{"normalized_shape": 8, **bad})
+
+
+def test_add_dropout_norm_ops_pass_opcheck_on_the_twin_path():
+    """Schema, fake implementation and autograd registration of the two registered ops, on CPU tensors through
+    the twin (the GPU kernels are checked by tests/test_integration.py's opcheck on a GPU)."""
+    from kernels._common import cpu_runs_reference
+
+    g = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(8, 32, generator=g).requires_grad_(True) for _ in range(2))
+    w, b = (torch.randn(32, generator=g).requires_grad_(True) for _ in range(2))
+    with cpu_runs_reference():
+        torch.library.opcheck(torch.ops.fused_kernels.add_dropout_norm_fwd.default,
+                              (x, res, w, b, 1e-5, False, 0.2, 5, None, torch.float32, False))
+        _, r, mean, rstd = torch.ops.fused_kernels.add_dropout_norm_fwd(x.detach(), None, w.detach(), None, 1e-5,
+                                                                        True, 0.2, 5, None, torch.float32, False)
+        torch.library.opcheck(torch.ops.fused_kernels.add_dropout_norm_bwd.default,
+                              (torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g), r, w.detach(), mean,
+                               rstd, 1e-5, True, False, False, 0.2, 5, None, torch.float32, True))
+
+
+@pytest.mark.cuda
+def test_add_dropout_norm_compiles_fullgraph_and_matches_eager():
+    x, res, w, b = (t.requires_grad_(True) for t in _fused_inputs(64, 256, "layer", torch.bfloat16, "fp32 stream"))
+    f = torch.compile(lambda a, r_in: ops.add_dropout_norm(a, r_in, w, b, dropout_p=0.2, seed=5), fullgraph=True)
+    y_c, r_c = f(x, res)
+    y_e, r_e = ops.add_dropout_norm(x, res, w, b, dropout_p=0.2, seed=5)
+    assert torch.equal(r_c, r_e) and torch.equal(y_c, y_e)
+    g_c = torch.autograd.grad((y_c.float().sum() + r_c.sum()), [x, res, w, b])
+    g_e = torch.autograd.grad((y_e.float().sum() + r_e.sum()), [x, res, w, b])
+    for a, c in zip(g_e, g_c, strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-3, atol=1e-3)

@@ -17,6 +17,11 @@ Implements:
   and sums dW/dB for its columns in registers, one exclusive buffer per row group (deterministic in
   both modes). It reads x and dy twice: 5 passes of M*N instead of 3.
 - ``_layer_norm_bwd_dwdb_kernel``: sums the buffers in buffer order into dW and dB.
+- ``_add_dropout_norm_fwd_kernel``: the pre-norm block's ``residual_out = dropout(x) + residual``, then its
+  norm, in one program: pass 1 walks the rows as the dropout family's flat chunks (``_dropout_add_span``,
+  the mask of ``kernels.dropout.dropout``), pass 2 re-reads them from L2 as rows (``_norm_tile_fwd``). Its
+  backward is ``_layer_norm_bwd_kernel`` with ``HAS_DRES`` (add the residual stream's gradient),
+  ``STORE_DR`` (store it for the residual) and ``DROPOUT`` (a flat pass applies the mask to each tile's dx).
 RMSNorm is the same code with ``IS_RMS`` (no mean, no bias). Row statistics divide with ``tl.div_rn``:
 Triton's default fp32 ``/`` is approximate (``div.full``), and with N = 1 an ulp off in ``mean(g)`` makes
 dx nonzero (times rstd ~ 1/sqrt(eps)) where it must be exactly 0.
@@ -31,6 +36,8 @@ final sum, no waiting on locks). Limits: rows must be contiguous along N (the la
 
 import triton
 import triton.language as tl
+
+from kernels._common.philox import LANE_STRIDE, chunk_words, philox_key, scaled_where_kept
 
 
 @triton.jit
@@ -66,6 +73,29 @@ def _row_sum_of_squares(v):
 
 
 @triton.jit
+def _norm_tile_fwd(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row0, M, N, stride_x_row, stride_y_row, eps,
+                   IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Rows ``row0 .. row0 + BLOCK_M`` held in registers (``BLOCK_N >= N``): statistics, y, mean and rstd."""
+    cols = tl.arange(0, BLOCK_N)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
+    y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y_row
+    mask = row_mask[:, None] & (cols[None, :] < N)
+    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        xc = x
+    else:
+        mean = tl.div_rn(tl.sum(x, axis=1), N * 1.0)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.div_rn(_row_sum_of_squares(xc), N * 1.0) + eps)
+    _affine_store(xc * rstd[:, None], y_rows, w_ptr, b_ptr, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
+    _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS)
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr,  # (M, N) input, row stride stride_x_row, unit column stride
     y_ptr,  # (M, N) output, row stride stride_y_row
@@ -88,21 +118,8 @@ def _layer_norm_fwd_kernel(
 ):
     cols = tl.arange(0, BLOCK_N)
     if SINGLE_PASS:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
-        y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y_row
-        mask = row_mask[:, None] & (cols[None, :] < N)
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if IS_RMS:
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            xc = x
-        else:
-            mean = tl.div_rn(tl.sum(x, axis=1), N * 1.0)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.div_rn(_row_sum_of_squares(xc), N * 1.0) + eps)
-        _affine_store(xc * rstd[:, None], y_rows, w_ptr, b_ptr, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
-        _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS)
+        _norm_tile_fwd(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, tl.program_id(0) * BLOCK_M, M, N,
+                       stride_x_row, stride_y_row, eps, IS_RMS, HAS_WEIGHT, HAS_BIAS, BLOCK_M, BLOCK_N)
     else:
         # Persistent programs (the launcher sizes the grid so that the rows in flight fit in L2): pass 2
         # re-reads each row from L2, last chunk first (the most recently read).
@@ -137,6 +154,90 @@ def _layer_norm_fwd_kernel(
                 _affine_store((x - mean[:, None]) * rstd[:, None], y_rows, w_ptr, b_ptr, c, mask, N, HAS_WEIGHT,
                               HAS_BIAS)
             _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS)
+
+
+@triton.jit
+def _dropout_add_span(src_ptr, res_ptr, out_ptr, start, end, k0, k1, threshold, scale, HAS_RESIDUAL: tl.constexpr,
+                      DROPOUT: tl.constexpr):
+    """``out[i] = dropout(src[i]) (+ res[i])`` for the flat elements ``start <= i < end`` of contiguous
+    tensors, walked in the dropout family's chunks (four runs of ``LANE_STRIDE``, one Philox call per
+    four elements): the mask is ``kernels.dropout.dropout``'s for ``src``'s shape. The dropped value is
+    rounded to ``src``'s dtype, as that kernel stores it, before the fp32 add; the sum is rounded once to
+    ``out``'s dtype. A chunk cut by ``start`` or ``end`` is drawn whole and stored in part."""
+    lane = tl.arange(0, LANE_STRIDE)
+    first = start // (4 * LANE_STRIDE)  # int64, as start
+    for step in range(0, tl.cdiv(end, 4 * LANE_STRIDE) - first):
+        chunk = first + step
+        base = chunk * (4 * LANE_STRIDE)
+        offs0 = base + lane
+        offs1 = offs0 + LANE_STRIDE
+        offs2 = offs1 + LANE_STRIDE
+        offs3 = offs2 + LANE_STRIDE
+        in0 = (offs0 >= start) & (offs0 < end)
+        in1 = (offs1 >= start) & (offs1 < end)
+        in2 = (offs2 >= start) & (offs2 < end)
+        in3 = (offs3 >= start) & (offs3 < end)
+        v0 = tl.load(src_ptr + offs0, mask=in0, other=0.0)
+        v1 = tl.load(src_ptr + offs1, mask=in1, other=0.0)
+        v2 = tl.load(src_ptr + offs2, mask=in2, other=0.0)
+        v3 = tl.load(src_ptr + offs3, mask=in3, other=0.0)
+        if DROPOUT:
+            w0, w1, w2, w3 = chunk_words(chunk, k0, k1)
+            v0 = scaled_where_kept(v0, w0, threshold, scale).to(src_ptr.dtype.element_ty)
+            v1 = scaled_where_kept(v1, w1, threshold, scale).to(src_ptr.dtype.element_ty)
+            v2 = scaled_where_kept(v2, w2, threshold, scale).to(src_ptr.dtype.element_ty)
+            v3 = scaled_where_kept(v3, w3, threshold, scale).to(src_ptr.dtype.element_ty)
+        v0 = v0.to(tl.float32)
+        v1 = v1.to(tl.float32)
+        v2 = v2.to(tl.float32)
+        v3 = v3.to(tl.float32)
+        if HAS_RESIDUAL:
+            v0 += tl.load(res_ptr + offs0, mask=in0, other=0.0).to(tl.float32)
+            v1 += tl.load(res_ptr + offs1, mask=in1, other=0.0).to(tl.float32)
+            v2 += tl.load(res_ptr + offs2, mask=in2, other=0.0).to(tl.float32)
+            v3 += tl.load(res_ptr + offs3, mask=in3, other=0.0).to(tl.float32)
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + offs0, v0.to(out_ty), mask=in0)
+        tl.store(out_ptr + offs1, v1.to(out_ty), mask=in1)
+        tl.store(out_ptr + offs2, v2.to(out_ty), mask=in2)
+        tl.store(out_ptr + offs3, v3.to(out_ty), mask=in3)
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
+def _add_dropout_norm_fwd_kernel(
+    x_ptr,  # (M, N) contiguous input of the dropout
+    res_ptr,  # (M, N) contiguous residual, or a dummy without HAS_RESIDUAL
+    rout_ptr,  # (M, N) contiguous output: dropout(x) + residual, in the residual stream's dtype
+    y_ptr,  # (M, N) contiguous output: norm(residual_out) * w + b, in x's dtype
+    w_ptr, b_ptr, mean_ptr, rstd_ptr,  # as _layer_norm_fwd_kernel
+    M,
+    N,
+    eps,
+    seed_lo, seed_hi, seed_ptr, seed_in_memory,  # the dropout seed (see kernels._common.philox.philox_key)
+    threshold,  # keep iff word >= threshold
+    scale,  # 1 / (1 - p), fp32
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    NORM: tl.constexpr,  # False: only residual_out (rows wider than one tile go to the chunked norm after)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Rows ``pid * BLOCK_M ..``: pass 1 writes their residual_out in the dropout layout; pass 2 reads the
+    same rows back (from L2: this program wrote them a moment ago) and normalises them."""
+    row0 = tl.program_id(0) * BLOCK_M
+    start = row0.to(tl.int64) * N
+    end = tl.minimum(row0 + BLOCK_M, M).to(tl.int64) * N
+    k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
+    _dropout_add_span(x_ptr, res_ptr, rout_ptr, start, end, k0, k1, tl.cast(threshold, tl.uint32),
+                      tl.cast(scale, tl.float32), HAS_RESIDUAL, DROPOUT)
+    if NORM:
+        # pass 2 reads what other threads of this program stored in pass 1: the barrier orders them
+        tl.debug_barrier()
+        _norm_tile_fwd(rout_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row0, M, N, N, N, eps, IS_RMS,
+                       HAS_WEIGHT, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -227,6 +328,10 @@ def _layer_norm_bwd_kernel(
     stride_dx_row,
     rows_per_program,
     group_size_m,  # buffers shared through locks (ignored when DETERMINISTIC)
+    # The fused residual + dropout + norm backward (all unused by the plain norms; dx contiguous there):
+    dres_ptr,  # (M, N) contiguous gradient reaching residual_out from later blocks (HAS_DRES)
+    dr_ptr,  # (M, N) contiguous output: dr = norm's dx + dres, the residual's gradient (STORE_DR)
+    seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, scale,  # dropout of dx (DROPOUT)
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     NEED_DB: tl.constexpr,
@@ -234,8 +339,14 @@ def _layer_norm_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     LOOP_STAGES: tl.constexpr = 1,  # software-pipelining depth of the row loop (loads of the next tiles in flight)
+    HAS_DRES: tl.constexpr = False,
+    STORE_DR: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False,
 ):
-    """Rows up to one tile wide: dx, and one locked add of this program's partial dW/dB."""
+    """Rows up to one tile wide: dx, and one locked add of this program's partial dW/dB. Fused
+    residual + dropout + norm: ``dr = dx + dres`` is stored as the residual's gradient (``STORE_DR``), and
+    ``dx = dropout(dr)`` (``DROPOUT``): each tile's dr goes to ``dx_ptr`` in x's dtype, then a flat pass
+    over the tile's elements (read back from L2) applies the forward's mask in place."""
     pid = tl.program_id(0)
     row_start = pid * rows_per_program
     row_end = row_start + rows_per_program  # the last program's range may pass M: rows are masked
@@ -260,7 +371,18 @@ def _layer_norm_bwd_kernel(
         c1 = tl.div_rn(tl.sum(g, axis=1), N * 1.0)  # unused (compiled away) for RMSNorm
         c2 = tl.div_rn(tl.sum(g * xhat, axis=1), N * 1.0)
         dx = _dx_from_row_terms(g, xhat, rstd, c1, c2, IS_RMS)
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + rows64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if STORE_DR:
+            tl.store(dr_ptr + rows64 * N + cols[None, :], dx.to(dr_ptr.dtype.element_ty), mask=mask)
         tl.store(dx_ptr + rows64 * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if DROPOUT:
+            tl.debug_barrier()  # the flat pass reads what other threads just stored
+            k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
+            # tl.cast, not .to: the interpreter's loop variable is a Python int
+            tile_end = tl.cast(tl.minimum(tl.minimum(r0 + BLOCK_M, row_end), M), tl.int64) * N
+            _dropout_add_span(dx_ptr, dx_ptr, dx_ptr, tl.cast(r0, tl.int64) * N, tile_end, k0, k1,
+                              tl.cast(threshold, tl.uint32), tl.cast(scale, tl.float32), False, True)
         if HAS_WEIGHT:
             dw_acc += dy * xhat
         if NEED_DB:

@@ -48,6 +48,10 @@ class Settings:
     chunk_warps: int = 8
     chunk_loop_stages: int = 3  # software pipelining of the chunk loop
     chunk_l2_fraction: float = 0.5  # rows in flight of the chunked forward fill at most this much of L2
+    # Fused residual + dropout + norm forward: elements per program. Its first pass walks whole dropout
+    # chunks (4096 elements, one Philox call per four); a program draws the chunks cut by its ends in full,
+    # so larger tiles waste a smaller share of Philox work.
+    add_dropout_norm_tile: int = 16384
     # Backward.
     max_fused_bwd: int = 8192  # widest row the single-kernel backward keeps in registers (x, dy, w and dx)
     bwd_tile: int = 4096  # elements per program iteration: several short rows at once
@@ -92,6 +96,20 @@ def _forward(n) -> dict:
     min_warps = 2 if block_n <= s.fwd_narrow else s.fwd_min_warps
     num_warps = max(min_warps, min(32, block_m * block_n // (32 * s.fwd_elements_per_thread)))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_PASS": True, "LOOP_STAGES": 1, "num_warps": num_warps}
+
+
+def add_dropout_norm_forward(n) -> dict:
+    """Launch parameters of the fused residual + dropout + norm forward for rows of ``n``: ``SINGLE_PASS``
+    (for the launcher) when the kernel normalises the rows itself, else it only writes residual_out, one
+    row per program, and the chunked norm forward follows."""
+    s = _active
+    if n > s.max_fused_fwd:
+        return {"BLOCK_M": 1, "BLOCK_N": 16, "SINGLE_PASS": False, "num_warps": 4}
+    block_n = next_pow2(n)
+    block_m = max(1, min(64, s.add_dropout_norm_tile // block_n))
+    min_warps = 2 if block_n <= s.fwd_narrow else s.fwd_min_warps
+    num_warps = max(min_warps, min(32, block_m * block_n // (32 * s.fwd_elements_per_thread)))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_PASS": True, "num_warps": num_warps}
 
 
 def _backward(n) -> dict:

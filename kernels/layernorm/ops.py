@@ -21,22 +21,29 @@ from torch.library import triton_op
 
 import reference.layernorm as twin
 from kernels._common import (
+    FLOAT_DTYPES,
     LIBRARY_NAMESPACE,
     autocast_cast,
     backend_for,
     cdiv,
     check_finite_number,
     check_float_dtype,
+    check_probability,
     check_same_device,
+    check_seed,
     check_tensor,
     kernel_for,
     multiprocessor_count,
     nothing_to_launch,
     unused_pointer,
 )
+from kernels._common import seed as seeds
 from kernels._common.launch import kernels_from as swap_kernels
+from kernels._common.seed import Seed
+from kernels.dropout.ops import _dropout_impl as dropout_impl
 from kernels.layernorm import configs
 from kernels.layernorm._kernels import (
+    _add_dropout_norm_fwd_kernel,
     _layer_norm_bwd_columns_kernel,
     _layer_norm_bwd_dwdb_kernel,
     _layer_norm_bwd_kernel,
@@ -44,8 +51,8 @@ from kernels.layernorm._kernels import (
     _layer_norm_fwd_kernel,
 )
 
-_KERNEL_NAMES = ("_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_row_terms_kernel",
-                 "_layer_norm_bwd_columns_kernel", "_layer_norm_bwd_dwdb_kernel")
+_KERNEL_NAMES = ("_add_dropout_norm_fwd_kernel", "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel",
+                 "_layer_norm_bwd_row_terms_kernel", "_layer_norm_bwd_columns_kernel", "_layer_norm_bwd_dwdb_kernel")
 
 
 def kernels_from(module):
@@ -82,9 +89,10 @@ def _or_unused(t: torch.Tensor | None, like: torch.Tensor, traceable: bool):
     return t if t is not None else unused_pointer(like, traceable)
 
 
-def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, traceable=False):
+def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, traceable=False):
     """``(y, mean, rstd)`` for rows of ``n`` (default: the last dim) of ``x``; ``y`` has ``x``'s shape (and
-    is contiguous), ``mean``/``rstd`` are fp32 of M = x.numel() / n (``mean`` is empty for RMSNorm)."""
+    is contiguous) and dtype (or ``y_dtype``), ``mean``/``rstd`` are fp32 of M = x.numel() / n (``mean`` is
+    empty for RMSNorm)."""
     n = x.shape[-1] if n is None else n
     if backend_for(x) == "reference":
         # the twin takes rows and flat parameters: a (4, 6) normalized_shape is rows of 24
@@ -93,12 +101,12 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, traceable=False):
         bias = None if bias is None else bias.reshape(-1)
         if is_rms:
             y, rstd = twin.rms_norm_forward(x2, weight, eps)
-            return y.reshape(x.shape), torch.empty(0, device=x.device, dtype=torch.float32), rstd
+            return y.reshape(x.shape).to(y_dtype or x.dtype), torch.empty(0, device=x.device), rstd
         y, mean, rstd = twin.layer_norm_forward(x2, weight, bias, eps)
-        return y.reshape(x.shape), mean, rstd
+        return y.reshape(x.shape).to(y_dtype or x.dtype), mean, rstd
     x, stride_x = _rows(x, n)
     m = x.numel() // n if n else 0
-    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    y = torch.empty(x.shape, device=x.device, dtype=y_dtype or x.dtype)
     mean = torch.empty(0 if is_rms else m, device=x.device, dtype=torch.float32)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     if nothing_to_launch(x):
@@ -114,10 +122,12 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, traceable=False):
 
 
 def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *, n=None, grad_dtypes=None,
-                   bias_shape=None, traceable=False):
-    """``(dx, dw, db)`` for rows of ``n`` (default: the last dim); ``dx`` has ``x``'s shape, ``dw`` the
-    weight's shape; dW/dB in fp32, or in ``grad_dtypes = (dw dtype, db dtype)`` when given (the final sum
-    casts as it stores: no cast launched afterwards); ``db`` has ``bias_shape`` (default ``(n,)``)."""
+                   bias_shape=None, dx_dtype=None, fused=None, traceable=False):
+    """``(dx, dw, db)`` for rows of ``n`` (default: the last dim); ``dx`` has ``x``'s shape and dtype (or
+    ``dx_dtype``), ``dw`` the weight's shape; dW/dB in fp32, or in ``grad_dtypes = (dw dtype, db dtype)``
+    when given (the final sum casts as it stores: no cast launched afterwards); ``db`` has ``bias_shape``
+    (default ``(n,)``). ``fused``: the residual + dropout + norm backward's extras for the single-kernel
+    path, ``(dres, dr, dropout arguments)`` (see ``_add_dropout_norm_bwd_impl``)."""
     n = x.shape[-1] if n is None else n
     need_dw = weight is not None
     dw_dtype, db_dtype = grad_dtypes or (torch.float32, torch.float32)
@@ -132,12 +142,12 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         else:
             dx, dw, db = twin.layer_norm_backward(dy2, x2, w, mean, rstd)
         empty = torch.empty(0, device=x.device)
-        return (dx.reshape(x.shape), dw.to(dw_dtype).reshape(dw_shape) if need_dw else empty,
+        return (dx.reshape(x.shape).to(dx_dtype or x.dtype), dw.to(dw_dtype).reshape(dw_shape) if need_dw else empty,
                 db.to(db_dtype).reshape(db_shape) if need_db else empty)
     x, stride_x = _rows(x, n)
     dy, stride_dy = _rows(dy, n)
     m = x.numel() // n if n else 0
-    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    dx = torch.empty(x.shape, device=x.device, dtype=dx_dtype or x.dtype)
     alloc = torch.zeros if m == 0 else torch.empty
     dw = alloc(dw_shape, device=x.device, dtype=dw_dtype)
     db = alloc(db_shape, device=x.device, dtype=db_dtype)
@@ -154,10 +164,15 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         # Locks, then first-write flags: one zeroed allocation (lock mode only).
         locks = None if deterministic or not need_partial else torch.zeros(
             2 * slots, device=x.device, dtype=torch.int32)
+        dres, dr, drop = fused or (None, None, _dropout_kernel_args(0.0, 0, x, traceable))
+        if drop[-2] != 0:  # dropout's flat pass sits inside the row loop: no software pipelining across it
+            cfg = {**cfg, "LOOP_STAGES": 1}
         kernel_for(_layer_norm_bwd_kernel, traceable=traceable)[(programs,)](
             x, dy, dx, w_arg, mean_arg, rstd, _or_unused(partial, x, traceable), _or_unused(locks, x, traceable),
-            m, n, stride_x, stride_dy, n, rows_per_program, slots,
-            IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db, DETERMINISTIC=deterministic, **cfg,
+            m, n, stride_x, stride_dy, n, rows_per_program, slots, _or_unused(dres, x, traceable),
+            _or_unused(dr, x, traceable), *drop,
+            IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db, DETERMINISTIC=deterministic,
+            HAS_DRES=dres is not None, STORE_DR=dr is not None, DROPOUT=drop[-2] != 0, **cfg,
         )
     else:
         # Wide rows: row terms, then (column block, row group) programs with exclusive buffers.
@@ -311,3 +326,228 @@ def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = No
         x, weight = autocast_cast("rms_norm", x, weight)
     shape, n = _check(x, normalized_shape, weight, None)
     return _norm(x, shape, n, weight, None, twin.rms_norm_eps(eps, x.dtype), True, deterministic)
+
+
+# --- residual + dropout + norm ---------------------------------------------------------------------------
+
+
+def _dropout_kernel_args(dropout_p: float, seed: Seed, like: torch.Tensor, traceable: bool) -> tuple:
+    """``(seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, scale)``: the kernels' dropout arguments, a
+    threshold of 0 when there is no dropout (the kernels then compile the mask away)."""
+    if dropout_p == 0.0:
+        return 0, 0, *seeds.seed_pointer(None, like, traceable), 0, 1.0
+    seed_lo, seed_hi, seed_tensor, threshold, scale = seeds.dropout_scalars(dropout_p, seed)
+    return seed_lo, seed_hi, *seeds.seed_pointer(seed_tensor, like, traceable), threshold, scale
+
+
+def _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype, *,
+                               traceable=False):
+    """``(y, residual_out, mean, rstd)`` over the last dim: ``residual_out = dropout(x) + residual`` in
+    ``residual_dtype``, ``y = norm(residual_out)`` in ``x``'s dtype (both contiguous, ``x``'s shape); the
+    twin's on CPU tensors without the interpreter (``mean``/``rstd`` then empty: its backward recomputes)."""
+    n = x.shape[-1]
+    if backend_for(x) == "reference":
+        y, residual_out = twin.add_dropout_norm(
+            x, residual, weight, bias, kind="rms" if is_rms else "layer", eps=eps, dropout_p=dropout_p,
+            seed=seeds.seed_value(seed) if dropout_p > 0 else None, residual_dtype=residual_dtype)
+        return y, residual_out, torch.empty(0, device=x.device), torch.empty(0, device=x.device)
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    residual_out = torch.empty(x.shape, device=x.device, dtype=residual_dtype)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    m = x.numel() // n if n else 0
+    mean = torch.empty(0 if is_rms else m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    if nothing_to_launch(x):
+        return y, residual_out, mean, rstd
+    cfg = dict(configs.add_dropout_norm_forward(n))
+    normalise_here = cfg.pop("SINGLE_PASS")
+    drop = _dropout_kernel_args(dropout_p, seed, x, traceable)
+    kernel_for(_add_dropout_norm_fwd_kernel, traceable=traceable)[(cdiv(m, cfg["BLOCK_M"]),)](
+        x, _or_unused(residual, x, traceable), residual_out, y, _or_unused(weight, x, traceable),
+        _or_unused(bias, x, traceable), _or_unused(None if is_rms else mean, x, traceable), rstd, m, n, eps, *drop,
+        IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, DROPOUT=dropout_p > 0, NORM=normalise_here, **cfg,
+    )
+    if not normalise_here:  # rows wider than one tile: the chunked norm forward reads residual_out
+        y, mean, rstd = _norm_fwd_impl(residual_out, weight, bias, eps, is_rms, y_dtype=x.dtype,
+                                       traceable=traceable)
+    return y, residual_out, mean, rstd
+
+
+def _add_dropout_norm_bwd_impl(dy, dresidual_out, residual_out, weight, mean, rstd, eps, is_rms, need_db,
+                               deterministic, dropout_p, seed, x_dtype, has_residual, *, grad_dtypes=None,
+                               traceable=False):
+    """``(dx, dresidual, dw, db)``: ``dr = norm backward(dy) + dresidual_out`` in fp32, ``dresidual = dr`` in
+    residual_out's dtype (None without a residual), ``dx = dropout(dr in x's dtype)`` with the forward's
+    mask. ``dresidual_out`` may be None (residual_out unused downstream)."""
+    n = residual_out.shape[-1]
+    if backend_for(residual_out) == "reference":
+        dx, dresidual, dw, db = twin.add_dropout_norm_backward(
+            dy, dresidual_out, residual_out, weight, kind="rms" if is_rms else "layer", eps=eps,
+            dropout_p=dropout_p, seed=seeds.seed_value(seed) if dropout_p > 0 else None, x_dtype=x_dtype)
+        return dx, dresidual if has_residual else None, dw, db
+    dresidual_out = None if dresidual_out is None else dresidual_out.contiguous()
+    if configs.fused_backward(n):
+        dresidual = torch.empty_like(residual_out) if has_residual else None
+        fused = (dresidual_out, dresidual, _dropout_kernel_args(dropout_p, seed, residual_out, traceable))
+        dx, dw, db = _norm_bwd_impl(dy, residual_out, weight, mean, rstd, is_rms, need_db, deterministic,
+                                    grad_dtypes=grad_dtypes, dx_dtype=x_dtype, fused=fused, traceable=traceable)
+        return dx, dresidual, dw, db
+    # Wide rows: the norm's two-kernel backward in fp32, then the sum, the roundings and the dropout.
+    dr, dw, db = _norm_bwd_impl(dy, residual_out, weight, mean, rstd, is_rms, need_db, deterministic,
+                                grad_dtypes=grad_dtypes, dx_dtype=torch.float32, traceable=traceable)
+    if dresidual_out is not None:
+        dr = dr + dresidual_out.float()
+    dx = dr.to(x_dtype)
+    if dropout_p > 0:
+        dx = dropout_impl(dx, dropout_p, seed, traceable=traceable)
+    return dx, dr.to(residual_out.dtype) if has_residual else None, dw, db
+
+
+class _AddDropoutNormFunction(torch.autograd.Function):
+    """Eager autograd of ``add_dropout_norm``: saves residual_out, the weight and the row statistics (fp32,
+    M each); the dropout mask is drawn again from the seed in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype, deterministic):
+        w, b = _flat(weight), _flat(bias)
+        y, residual_out, mean, rstd = _add_dropout_norm_fwd_impl(x, residual, w, b, eps, is_rms, dropout_p, seed,
+                                                                 residual_dtype)
+        ctx.save_for_backward(residual_out, w, mean, rstd)
+        ctx.args = (eps, is_rms, bias is not None, deterministic, dropout_p, seed, x.dtype, residual is not None)
+        ctx.grad_dtypes = (torch.float32 if weight is None else weight.dtype,
+                           torch.float32 if bias is None else bias.dtype)
+        ctx.shapes = (x.shape, None if weight is None else weight.shape, None if bias is None else bias.shape)
+        ctx.set_materialize_grads(False)
+        return y, residual_out
+
+    @staticmethod
+    def backward(ctx, dy, dresidual_out):
+        residual_out, w, mean, rstd = ctx.saved_tensors
+        eps, is_rms, need_db, deterministic, dropout_p, seed, x_dtype, has_residual = ctx.args
+        if dy is None:
+            dy = torch.zeros_like(residual_out, dtype=x_dtype)
+        dx, dresidual, dw, db = _add_dropout_norm_bwd_impl(
+            dy, dresidual_out, residual_out, w, mean, rstd, eps, is_rms, need_db, deterministic, dropout_p, seed,
+            x_dtype, has_residual, grad_dtypes=ctx.grad_dtypes)
+        x_shape, w_shape, b_shape = ctx.shapes
+        return (dx.reshape(x_shape), None if dresidual is None else dresidual.reshape(x_shape),
+                None if w is None else dw.reshape(w_shape), db.reshape(b_shape) if need_db else None,
+                None, None, None, None, None, None)
+
+
+@triton_op(f"{LIBRARY_NAMESPACE}::add_dropout_norm_fwd", mutates_args=())
+def add_dropout_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                            bias: torch.Tensor | None, eps: float, is_rms: bool, dropout_p: float, seed: int,
+                            seed_tensor: torch.Tensor | None, residual_dtype: torch.dtype,
+                            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Registered forward: ``(y, residual_out, mean, rstd)`` over the last dim (``deterministic`` is for the
+    backward); ``seed`` as in ``fused_kernels::dropout``."""
+    return _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p,
+                                      seeds.seed_from_op_args(seed, seed_tensor), residual_dtype, traceable=True)
+
+
+@triton_op(f"{LIBRARY_NAMESPACE}::add_dropout_norm_bwd", mutates_args=())
+def add_dropout_norm_bwd_op(dy: torch.Tensor, dresidual_out: torch.Tensor, residual_out: torch.Tensor,
+                            weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, eps: float,
+                            is_rms: bool, need_db: bool, deterministic: bool, dropout_p: float, seed: int,
+                            seed_tensor: torch.Tensor | None, x_dtype: torch.dtype,
+                            has_residual: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Registered backward: ``(dx, dresidual, dw, db)`` (fp32 dw/db; empty where not needed)."""
+    dx, dresidual, dw, db = _add_dropout_norm_bwd_impl(
+        dy.contiguous(), dresidual_out, residual_out, weight, mean, rstd, eps, is_rms, need_db, deterministic,
+        dropout_p, seeds.seed_from_op_args(seed, seed_tensor), x_dtype, has_residual, traceable=True)
+    def empty():  # one per output: outputs of a registered op must not alias each other
+        return torch.empty(0, device=residual_out.device)
+
+    return (dx, empty() if dresidual is None else dresidual, empty() if weight is None else dw.float(),
+            db.float() if need_db else empty())
+
+
+def _add_dropout_norm_setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, is_rms, dropout_p, seed, seed_tensor, _, deterministic = inputs
+    _, residual_out, mean, rstd = output
+    ctx.save_for_backward(residual_out, weight, mean, rstd, seed_tensor)
+    ctx.args = (eps, is_rms, bias is not None, deterministic, dropout_p, seed)
+    ctx.dtypes = (x.dtype, None if bias is None else bias.dtype, residual is not None)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _add_dropout_norm_backward(ctx, dy, dresidual_out, _dmean, _drstd):
+    residual_out, weight, mean, rstd, seed_tensor = ctx.saved_tensors
+    eps, is_rms, need_db, deterministic, dropout_p, seed = ctx.args
+    x_dtype, bias_dtype, has_residual = ctx.dtypes
+    dx, dresidual, dw, db = torch.ops.fused_kernels.add_dropout_norm_bwd(
+        dy, dresidual_out, residual_out, weight, mean, rstd, eps, is_rms, need_db, deterministic, dropout_p, seed,
+        seed_tensor, x_dtype, has_residual)
+    return (dx, dresidual if has_residual else None, None if weight is None else dw.to(weight.dtype),
+            db.to(bias_dtype) if need_db else None, None, None, None, None, None, None, None)
+
+
+add_dropout_norm_fwd_op.register_autograd(_add_dropout_norm_backward, setup_context=_add_dropout_norm_setup_context)
+
+
+def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, *, kind: str = "layer", eps: float | None = 1e-5,
+                     dropout_p: float = 0.0, seed: int | None = None, training: bool = True,
+                     residual_dtype: torch.dtype | None = None,
+                     deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm block's residual step in one kernel forward and one backward: ``(y, residual_out)`` with
+
+    - ``residual_out = dropout(x, dropout_p, seed) + residual`` (``dropout(x)`` alone when ``residual`` is
+      None), added in fp32 and rounded once to ``residual_dtype``: by default ``residual``'s dtype (``x``'s
+      without one); ``torch.float32`` keeps the residual stream in fp32;
+    - ``y = norm(residual_out) * weight + bias`` over the last dim, ``kind="layer"`` (LayerNorm) or ``"rms"``
+      (RMSNorm, no bias; ``eps=None`` then follows torch's rule, see :func:`rms_norm`), statistics in fp32
+      from the rounded ``residual_out``, ``y`` in ``x``'s dtype.
+
+    The mask is the dropout family's: with the same ``seed`` it drops exactly the elements
+    ``kernels.dropout.dropout(x, dropout_p, seed=seed)`` drops (``seed=None`` draws one from torch's
+    generator). Nothing is stored for the backward but residual_out and two floats per row; the backward
+    takes the gradients of both outputs and draws the mask again. ``dropout_p`` must be below 1;
+    ``training=False`` skips the dropout. The twin is ``reference.layernorm.add_dropout_norm``.
+    """
+    check_tensor("x", x)
+    check_float_dtype("x", x)
+    if kind not in ("layer", "rms"):
+        raise ValueError(f"kind must be 'layer' or 'rms', got {kind!r}")
+    is_rms = kind == "rms"
+    if is_rms and bias is not None:
+        raise ValueError("bias must be None for kind='rms' (RMSNorm has no bias)")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dim (the normalized one)")
+    n = x.shape[-1]
+    if residual is not None:
+        check_float_dtype("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_float_dtype(name, t)
+            if tuple(t.shape) != (n,):
+                raise ValueError(f"{name} must have shape [{n}] (x's last dim), got {list(t.shape)}")
+    if residual_dtype is not None and residual_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"residual_dtype must be one of {FLOAT_DTYPES} or None, got {residual_dtype!r}")
+    check_same_device(x=x, residual=residual, weight=weight, bias=bias)
+    eps = twin.rms_norm_eps(eps, x.dtype) if is_rms else eps
+    eps = check_finite_number("eps", eps, minimum=0.0)
+    dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
+    seed = check_seed("seed", seed)
+    backend_for(x)
+    if not training:
+        dropout_p = 0.0
+    residual_dtype = residual_dtype or (x.dtype if residual is None else residual.dtype)
+    seed = seeds.seed_for_call(seed, x.device) if dropout_p > 0 else 0
+    if torch.compiler.is_compiling():
+        y, residual_out, _, _ = torch.ops.fused_kernels.add_dropout_norm_fwd(
+            x, residual, weight, bias, eps, is_rms, dropout_p, *seeds.op_seed_args(seed), residual_dtype, deterministic)
+        return y, residual_out
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, residual, weight, bias))
+    if needs_grad:
+        return _AddDropoutNormFunction.apply(x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype,
+                                             deterministic)
+    y, residual_out, _, _ = _add_dropout_norm_fwd_impl(x, residual, _flat(weight), _flat(bias), eps, is_rms,
+                                                       dropout_p, seed, residual_dtype)
+    return y, residual_out
