@@ -5,7 +5,9 @@ MLP, a tied output head). ``backend`` picks the ops:
 
 - ``"torch"``: ``nn.LayerNorm``, ``nn.Dropout`` and ``F.scaled_dot_product_attention``;
 - ``"fused"``: the same model after ``kernels.replace_modules`` (our LayerNorm and Dropout, weights kept),
-  with attention through ``kernels.attention.flash_attention`` (attention dropout included).
+  with attention through ``kernels.attention.flash_attention`` (attention dropout included), and each
+  residual step (dropout of a branch's output, the add, the next norm) through
+  ``kernels.layernorm.add_dropout_norm``, one kernel forward and one backward.
 
 Both backends build the same parameters in the same order, so one ``torch.manual_seed`` gives one init.
 
@@ -37,6 +39,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the repository's
 
 import kernels  # noqa: E402
 from kernels.attention import flash_attention  # noqa: E402
+from kernels.layernorm import add_dropout_norm  # noqa: E402
 
 BACKENDS = ("torch", "fused")
 
@@ -72,12 +75,16 @@ class CausalSelfAttention(nn.Module):
         self.residual_dropout = nn.Dropout(config.dropout)
         self.attend = fused_attention if config.backend == "fused" else torch_attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention branch before its residual dropout."""
         batch, seq, width = x.shape
         # (B, S, 3, H, Dh) -> three (B, H, S, Dh) views: both backends take the strided views as they are
         q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
         y = self.attend(q, k, v, self.attention_dropout if self.training else 0.0)
-        return self.residual_dropout(self.proj(y.transpose(1, 2).reshape(batch, seq, width)))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.residual_dropout(self.branch(x))
 
 
 class Block(nn.Module):
@@ -126,13 +133,36 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits (B, S, vocab); with ``targets``, ``(logits, mean cross-entropy)``."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embedding_dropout(self.token_embedding(tokens) + self.position_embedding(positions))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.final_norm(x) @ self.token_embedding.weight.t()  # tied head
+        embedded = self.token_embedding(tokens) + self.position_embedding(positions)
+        if self.config.backend == "fused":
+            normed = self._fused_residual_stream(embedded)
+        else:
+            x = self.embedding_dropout(embedded)
+            for block in self.blocks:
+                x = block(x)
+            normed = self.final_norm(x)
+        logits = normed @ self.token_embedding.weight.t()  # tied head
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+    def _fused_residual_stream(self, embedded: torch.Tensor) -> torch.Tensor:
+        """The blocks of ``forward`` with every residual step fused: ``x = x + dropout(branch)`` and the norm
+        that reads ``x`` next are one ``add_dropout_norm`` call, with the same modules' parameters, ``p`` and
+        training flag. Returns the final norm's output."""
+        norms = [block.norm1 for block in self.blocks] + [self.final_norm]
+        normed, x = _residual_step(embedded, None, norms[0], self.embedding_dropout)
+        for i, block in enumerate(self.blocks):
+            normed, x = _residual_step(block.attention.branch(normed), x, block.norm2, block.attention.residual_dropout)
+            normed, x = _residual_step(block.mlp[:-1](normed), x, norms[i + 1], block.mlp[-1])
+        return normed
+
+
+def _residual_step(branch: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, dropout: nn.Dropout):
+    """``(norm(x), x)`` for ``x = dropout(branch) + residual``, one fused kernel each way."""
+    return add_dropout_norm(branch, residual, norm.weight, norm.bias, eps=norm.eps, dropout_p=dropout.p,
+                            training=dropout.training)
 
 
 def load_corpus(device) -> torch.Tensor:
