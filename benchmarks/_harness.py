@@ -223,6 +223,7 @@ def _metric(records: list[dict]) -> str:
 RATIO_PEERS: dict[str, tuple[str, ...]] = {
     "attention": ("sdpa-flash", "flex", "sdpa-cudnn"),
     "attention-varlen": ("sdpa-flash-padded", "sdpa-cudnn-padded"),
+    "model": ("torch",),
 }
 
 
@@ -322,7 +323,7 @@ def plot(family: str, records: list[dict], x_key: str, path: Path, extras: Seque
 
 
 #: record keys that are measurements or annotations rather than shape (kept out of tables and panels)
-EXTRA_KEYS: tuple[str, ...] = ("saved_bytes_per_element", "peak_extra_mib", "x_key")
+EXTRA_KEYS: tuple[str, ...] = ("saved_bytes_per_element", "peak_extra_mib", "x_key", "tokens_per_s", "loss_last")
 
 
 def write_results(recorder: Recorder, out_dir: Path | None = None) -> list[Path]:
