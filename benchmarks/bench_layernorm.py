@@ -8,6 +8,9 @@ Two sweeps (the family's speed targets are stated on both):
 
 Bytes counted: forward 2 * M * N * elt (read x, write y), backward 3 * M * N * elt (read x and dy, write
 dx); the weight, bias and statistics are small and not counted.
+
+``add-dropout-norm``: the fused residual + dropout + norm against torch's dropout, add and norm (eager and
+compiled), M * N = 2**27, N = 512 ... 16384, bf16 and fp16, dropout 0.1 and 0 (bytes: see the test).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 
 from benchmarks._harness import SMOKE
 from kernels._mode import DEVICE
-from kernels.layernorm import layer_norm, rms_norm
+from kernels.layernorm import add_dropout_norm, layer_norm, rms_norm
 
 PROVIDERS = ["ours", "torch", "torch.compile", "apex", "liger"]
 LN_EPS, RMS_EPS = 1e-5, 1e-6
@@ -108,3 +111,62 @@ def test_norm(measure, provider, sweep, m, n, dtype, kind, direction):
         x_key="N",
         bytes_moved=moved,
     )
+
+
+def _add_dropout_norm_points():
+    if SMOKE:
+        return [(64, 256, torch.float32)]
+    return [((1 << 27) // n, n, dt) for dt in (torch.bfloat16, torch.float16) for n in (512, 1024, 2048, 4096, 8192,
+                                                                                        16384)]
+
+
+def _torch_block(x, residual, w, b, kind: str, p: float):
+    """The composition the fused op replaces: dropout, add, norm (``(y, residual_out)``)."""
+    residual_out = F.dropout(x, p) + residual
+    n = x.shape[-1]
+    if kind == "layer":
+        return F.layer_norm(residual_out, (n,), w, b, LN_EPS), residual_out
+    return F.rms_norm(residual_out, (n,), w, RMS_EPS), residual_out
+
+
+@functools.cache
+def _compiled_block(kind: str, p: float):
+    return torch.compile(functools.partial(_torch_block, kind=kind, p=p), dynamic=False)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(("m", "n", "dtype"), _add_dropout_norm_points(), ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("provider", ["ours", "torch", "torch.compile"])
+def test_add_dropout_norm(measure, provider, m, n, dtype, kind, dropout, direction):
+    """Residual + dropout + norm at M * N = 2**27: ours (one kernel each way) against torch's three ops,
+    eager and compiled. Bytes that must move: forward reads x and the residual and writes residual_out and
+    y (4 * M * N * elt); backward reads dy, d(residual_out) and residual_out and writes dx and the residual's
+    gradient (5 * M * N * elt). Nothing else is counted (torch's saved mask is its own cost)."""
+    if provider == "torch.compile" and SMOKE:
+        pytest.skip("torch.compile is not run in smoke mode")
+    x, residual = (torch.randn(m, n, device=DEVICE, dtype=dtype) for _ in range(2))
+    w = torch.rand(n, device=DEVICE, dtype=dtype) + 0.5
+    b = torch.randn(n, device=DEVICE, dtype=dtype) if kind == "layer" else None
+    if provider == "ours":
+        fn = lambda a, r: add_dropout_norm(a, r, w, b, kind=kind, eps=LN_EPS if kind == "layer" else RMS_EPS,
+                                           dropout_p=dropout)
+    elif provider == "torch":
+        fn = lambda a, r: _torch_block(a, r, w, b, kind, dropout)
+    else:
+        compiled = _compiled_block(kind, dropout)
+        fn = lambda a, r: compiled(a, r, w, b)
+    elt = x.element_size()
+    if direction == "fwd":
+        run, grad_to_none, moved = functools.partial(fn, x, residual), None, 4 * m * n * elt
+    else:
+        params = [t for t in (x, residual, w, b) if t is not None]
+        for t in params:
+            t.requires_grad_(True)
+        y, residual_out = fn(x, residual)
+        dy, dr = torch.randn_like(y), torch.randn_like(residual_out)
+        run = lambda: torch.autograd.backward((y, residual_out), (dy, dr), retain_graph=True)
+        grad_to_none, moved = params, 5 * m * n * elt
+    measure(run, grad_to_none=grad_to_none, family="add-dropout-norm", provider=provider, direction=direction,
+            dtype=dtype, shape={"kind": kind, "dropout": dropout, "M": m, "N": n}, x_key="N", bytes_moved=moved)
