@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kernels._mode import DEVICE, INTERPRETER
 from kernels.attention import flash_attention
 from kernels.dropout import dropout
-from kernels.layernorm import layer_norm, rms_norm
+from kernels.layernorm import add_dropout_norm, layer_norm, rms_norm
 
 # The interpreter runs on numpy, which has no bf16: CPU autocast to fp16 there.
 AUTOCAST_DTYPE = torch.float16 if INTERPRETER else torch.bfloat16
@@ -22,13 +22,16 @@ def _pairs():
         ("rms_norm", lambda x, w: rms_norm(x, 64, w), lambda x, w: F.rms_norm(x, (64,), w)),
         ("attention", lambda q, k, v: flash_attention(q, k, v, causal=True),
          lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        # a branch from a Linear (autocast: low precision) into the fp32 residual stream, then the norm
+        ("add_dropout_norm", lambda x, r, w, b: add_dropout_norm(F.linear(x, w.diag()), r, w, b)[0],
+         lambda x, r, w, b: F.layer_norm(F.linear(x, w.diag()) + r, (64,), w, b)),
     ]
 
 
 def _inputs(name):
     g = torch.Generator().manual_seed(0)
     shapes = {"attention": [(1, 2, 48, 32)] * 3, "layer_norm": [(6, 64), (64,), (64,)],
-              "rms_norm": [(6, 64), (64,)]}[name]
+              "rms_norm": [(6, 64), (64,)], "add_dropout_norm": [(6, 64), (6, 64), (64,), (64,)]}[name]
     return [torch.randn(*s, generator=g).to(DEVICE).requires_grad_(True) for s in shapes]
 
 
@@ -100,8 +103,9 @@ def _opcheck_cases():
         ("norm_fwd", (x, w, b, 1e-5, False, False)),
         ("norm_fwd", (x, w, None, 1e-6, True, True)),
         ("norm_bwd", (rand(8, 32), x.detach(), w.detach(), mean, rstd, False, True, False)),
-        ("add_dropout_norm_fwd", (x, rand(8, 32, grad=True), w, b, 1e-5, False, 0.2, 5, None, torch.float32, False)),
-        ("add_dropout_norm_fwd", (x, None, w, None, 1e-6, True, 0.0, 0, None, torch.float32, True)),
+        ("add_dropout_norm_fwd", (x, rand(8, 32, grad=True), w, b, 1e-5, False, 0.2, 5, None, torch.float32,
+                                  torch.float32, False)),
+        ("add_dropout_norm_fwd", (x, None, w, None, 1e-6, True, 0.0, 0, None, torch.float32, torch.bfloat16, True)),
         ("add_dropout_norm_bwd", (rand(8, 32), rand(8, 32), x.detach(), w.detach(), mean, rstd, 1e-5, False, True,
                                   False, 0.2, 5, None, torch.float32, True)),
         ("flash_attn_fwd", (q, k, v, -1, 0, 0.2, 0.1, 0, seed_tensor, None, None, 0, 0)),

@@ -560,9 +560,9 @@ def test_add_dropout_norm_ops_pass_opcheck_on_the_twin_path():
     w, b = (torch.randn(32, generator=g).requires_grad_(True) for _ in range(2))
     with cpu_runs_reference():
         torch.library.opcheck(torch.ops.fused_kernels.add_dropout_norm_fwd.default,
-                              (x, res, w, b, 1e-5, False, 0.2, 5, None, torch.float32, False))
-        _, r, mean, rstd = torch.ops.fused_kernels.add_dropout_norm_fwd(x.detach(), None, w.detach(), None, 1e-5,
-                                                                        True, 0.2, 5, None, torch.float32, False)
+                              (x, res, w, b, 1e-5, False, 0.2, 5, None, torch.float32, torch.float32, False))
+        _, r, mean, rstd = torch.ops.fused_kernels.add_dropout_norm_fwd(
+            x.detach(), None, w.detach(), None, 1e-5, True, 0.2, 5, None, torch.float32, torch.float32, False)
         torch.library.opcheck(torch.ops.fused_kernels.add_dropout_norm_bwd.default,
                               (torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g), r, w.detach(), mean,
                                rstd, 1e-5, True, False, False, 0.2, 5, None, torch.float32, True))

@@ -38,6 +38,7 @@ from kernels._common import (
     unused_pointer,
 )
 from kernels._common import seed as seeds
+from kernels._common.autocast import autocast_dtype
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import Seed
 from kernels.dropout.ops import _dropout_impl as dropout_impl
@@ -340,21 +341,21 @@ def _dropout_kernel_args(dropout_p: float, seed: Seed, like: torch.Tensor, trace
     return seed_lo, seed_hi, *seeds.seed_pointer(seed_tensor, like, traceable), threshold, scale
 
 
-def _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype, *,
+def _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype, y_dtype, *,
                                traceable=False):
     """``(y, residual_out, mean, rstd)`` over the last dim: ``residual_out = dropout(x) + residual`` in
-    ``residual_dtype``, ``y = norm(residual_out)`` in ``x``'s dtype (both contiguous, ``x``'s shape); the
+    ``residual_dtype``, ``y = norm(residual_out)`` in ``y_dtype`` (both contiguous, ``x``'s shape); the
     twin's on CPU tensors without the interpreter (``mean``/``rstd`` then empty: its backward recomputes)."""
     n = x.shape[-1]
     if backend_for(x) == "reference":
         y, residual_out = twin.add_dropout_norm(
             x, residual, weight, bias, kind="rms" if is_rms else "layer", eps=eps, dropout_p=dropout_p,
             seed=seeds.seed_value(seed) if dropout_p > 0 else None, residual_dtype=residual_dtype)
-        return y, residual_out, torch.empty(0, device=x.device), torch.empty(0, device=x.device)
+        return y.to(y_dtype), residual_out, torch.empty(0, device=x.device), torch.empty(0, device=x.device)
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     residual_out = torch.empty(x.shape, device=x.device, dtype=residual_dtype)
-    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    y = torch.empty(x.shape, device=x.device, dtype=y_dtype)
     m = x.numel() // n if n else 0
     mean = torch.empty(0 if is_rms else m, device=x.device, dtype=torch.float32)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
@@ -370,7 +371,7 @@ def _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p
         HAS_RESIDUAL=residual is not None, DROPOUT=dropout_p > 0, NORM=normalise_here, **cfg,
     )
     if not normalise_here:  # rows wider than one tile: the chunked norm forward reads residual_out
-        y, mean, rstd = _norm_fwd_impl(residual_out, weight, bias, eps, is_rms, y_dtype=x.dtype,
+        y, mean, rstd = _norm_fwd_impl(residual_out, weight, bias, eps, is_rms, y_dtype=y_dtype,
                                        traceable=traceable)
     return y, residual_out, mean, rstd
 
@@ -410,10 +411,10 @@ class _AddDropoutNormFunction(torch.autograd.Function):
     M each); the dropout mask is drawn again from the seed in the backward."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype, deterministic):
+    def forward(ctx, x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype, y_dtype, deterministic):
         w, b = _flat(weight), _flat(bias)
         y, residual_out, mean, rstd = _add_dropout_norm_fwd_impl(x, residual, w, b, eps, is_rms, dropout_p, seed,
-                                                                 residual_dtype)
+                                                                 residual_dtype, y_dtype)
         ctx.save_for_backward(residual_out, w, mean, rstd)
         ctx.args = (eps, is_rms, bias is not None, deterministic, dropout_p, seed, x.dtype, residual is not None)
         ctx.grad_dtypes = (torch.float32 if weight is None else weight.dtype,
@@ -427,25 +428,26 @@ class _AddDropoutNormFunction(torch.autograd.Function):
         residual_out, w, mean, rstd = ctx.saved_tensors
         eps, is_rms, need_db, deterministic, dropout_p, seed, x_dtype, has_residual = ctx.args
         if dy is None:
-            dy = torch.zeros_like(residual_out, dtype=x_dtype)
+            dy = torch.zeros_like(residual_out, dtype=x_dtype)  # y unused downstream
         dx, dresidual, dw, db = _add_dropout_norm_bwd_impl(
             dy, dresidual_out, residual_out, w, mean, rstd, eps, is_rms, need_db, deterministic, dropout_p, seed,
             x_dtype, has_residual, grad_dtypes=ctx.grad_dtypes)
         x_shape, w_shape, b_shape = ctx.shapes
         return (dx.reshape(x_shape), None if dresidual is None else dresidual.reshape(x_shape),
                 None if w is None else dw.reshape(w_shape), db.reshape(b_shape) if need_db else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 @triton_op(f"{LIBRARY_NAMESPACE}::add_dropout_norm_fwd", mutates_args=())
 def add_dropout_norm_fwd_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                             bias: torch.Tensor | None, eps: float, is_rms: bool, dropout_p: float, seed: int,
-                            seed_tensor: torch.Tensor | None, residual_dtype: torch.dtype,
+                            seed_tensor: torch.Tensor | None, residual_dtype: torch.dtype, y_dtype: torch.dtype,
                             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Registered forward: ``(y, residual_out, mean, rstd)`` over the last dim (``deterministic`` is for the
     backward); ``seed`` as in ``fused_kernels::dropout``."""
     return _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p,
-                                      seeds.seed_from_op_args(seed, seed_tensor), residual_dtype, traceable=True)
+                                      seeds.seed_from_op_args(seed, seed_tensor), residual_dtype, y_dtype,
+                                      traceable=True)
 
 
 @triton_op(f"{LIBRARY_NAMESPACE}::add_dropout_norm_bwd", mutates_args=())
@@ -466,7 +468,7 @@ def add_dropout_norm_bwd_op(dy: torch.Tensor, dresidual_out: torch.Tensor, resid
 
 
 def _add_dropout_norm_setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, is_rms, dropout_p, seed, seed_tensor, _, deterministic = inputs
+    x, residual, weight, bias, eps, is_rms, dropout_p, seed, seed_tensor, _, _, deterministic = inputs
     _, residual_out, mean, rstd = output
     ctx.save_for_backward(residual_out, weight, mean, rstd, seed_tensor)
     ctx.args = (eps, is_rms, bias is not None, deterministic, dropout_p, seed)
@@ -482,7 +484,7 @@ def _add_dropout_norm_backward(ctx, dy, dresidual_out, _dmean, _drstd):
         dy, dresidual_out, residual_out, weight, mean, rstd, eps, is_rms, need_db, deterministic, dropout_p, seed,
         seed_tensor, x_dtype, has_residual)
     return (dx, dresidual if has_residual else None, None if weight is None else dw.to(weight.dtype),
-            db.to(bias_dtype) if need_db else None, None, None, None, None, None, None, None)
+            db.to(bias_dtype) if need_db else None, None, None, None, None, None, None, None, None)
 
 
 add_dropout_norm_fwd_op.register_autograd(_add_dropout_norm_backward, setup_context=_add_dropout_norm_setup_context)
@@ -500,7 +502,8 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
       without one); ``torch.float32`` keeps the residual stream in fp32;
     - ``y = norm(residual_out) * weight + bias`` over the last dim, ``kind="layer"`` (LayerNorm) or ``"rms"``
       (RMSNorm, no bias; ``eps=None`` then follows torch's rule, see :func:`rms_norm`), statistics in fp32
-      from the rounded ``residual_out``, ``y`` in ``x``'s dtype.
+      from the rounded ``residual_out``, ``y`` in ``x``'s dtype; under CUDA autocast in fp32, as torch's
+      norms give it (the dropout and the add keep their dtypes, as torch's do).
 
     The mask is the dropout family's: with the same ``seed`` it drops exactly the elements
     ``kernels.dropout.dropout(x, dropout_p, seed=seed)`` drops (``seed=None`` draws one from torch's
@@ -538,16 +541,19 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
     if not training:
         dropout_p = 0.0
     residual_dtype = residual_dtype or (x.dtype if residual is None else residual.dtype)
+    # autocast: y comes out as torch's norm gives it (fp32 on CUDA); the dropout and the add keep their dtypes
+    y_dtype = autocast_dtype("rms_norm" if is_rms else "layer_norm", x.device.type) or x.dtype
     seed = seeds.seed_for_call(seed, x.device) if dropout_p > 0 else 0
     if torch.compiler.is_compiling():
         y, residual_out, _, _ = torch.ops.fused_kernels.add_dropout_norm_fwd(
-            x, residual, weight, bias, eps, is_rms, dropout_p, *seeds.op_seed_args(seed), residual_dtype, deterministic)
+            x, residual, weight, bias, eps, is_rms, dropout_p, *seeds.op_seed_args(seed), residual_dtype, y_dtype,
+            deterministic)
         return y, residual_out
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, weight, bias))
     if needs_grad:
         return _AddDropoutNormFunction.apply(x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype,
-                                             deterministic)
+                                             y_dtype, deterministic)
     y, residual_out, _, _ = _add_dropout_norm_fwd_impl(x, residual, _flat(weight), _flat(bias), eps, is_rms,
-                                                       dropout_p, seed, residual_dtype)
+                                                       dropout_p, seed, residual_dtype, y_dtype)
     return y, residual_out
