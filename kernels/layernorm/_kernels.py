@@ -208,7 +208,7 @@ def _add_dropout_norm_fwd_kernel(
     x_ptr,  # (M, N) contiguous input of the dropout
     res_ptr,  # (M, N) contiguous residual, or a dummy without HAS_RESIDUAL
     rout_ptr,  # (M, N) contiguous output: dropout(x) + residual, in the residual stream's dtype
-    y_ptr,  # (M, N) contiguous output: norm(residual_out) * w + b, in x's dtype
+    y_ptr,  # (M, N) contiguous output: norm(residual_out) * w + b (x's dtype; fp32 under CUDA autocast)
     w_ptr, b_ptr, mean_ptr, rstd_ptr,  # as _layer_norm_fwd_kernel
     M,
     N,
