@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment report, the CUDA test suite, the benchmarks.
 #
-#   bash scripts/gpu_check.sh [family ...]      # family: dropout | layernorm | attention (default: all);
+#   bash scripts/gpu_check.sh [family ...]      # family: dropout | layernorm | attention | model (default: all
+#                                               # but model, the GPT training benchmark, which runs when named);
 #                                               # any name N selects tests/test_N*.py (integration, gpt, swap, common)
 #
 # Uses the machine's own python3 (no network, no nox). Writes under $OUT (default ./gpu-out):
@@ -30,7 +31,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 
 tests_target=$(ls tests/test_*.py | tr '\n' ' ')
-bench_target=benchmarks
+# The model benchmark (dozens of training runs, compiled ones included) runs only when named: gpu_check.sh model
+bench_target=$(ls benchmarks/bench_*.py | grep -v bench_model | tr '\n' ' ')
 if [ ${#FAMILIES[@]} -gt 0 ]; then
   tests_target="" bench_target=""
   for family in "${FAMILIES[@]}"; do
