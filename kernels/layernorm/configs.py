@@ -14,6 +14,8 @@ decision with its reason. The measurements behind them are in the family's ``TUN
   buffer per program with ``deterministic=True``); a second kernel sums the buffers.
 - **backward, wider rows**: a row-terms kernel, then programs over (``wide_columns``-column block, row
   group), about ``programs_per_sm * SMs`` in all, each writing its own buffer (lock-free, deterministic).
+- **residual + dropout + norm forward**: as the forward, with tiles of about ``add_dropout_norm_tile``
+  elements (whole dropout chunks of 4096 dominate the two a program cuts); its backward is the backward's.
 
 Print the effective table::
 
