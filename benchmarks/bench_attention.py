@@ -36,14 +36,10 @@ def _points():
 
 @functools.cache
 def _flex(s: int, causal: bool, window: int = -1):
-    import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    # One static compile per shape. The default recompile limit (8 per code object) is below the number of
-    # benchmark shapes, and past it dynamo silently runs flex_attention eagerly, which materialises the
-    # scores: the fused kernel is what we measure.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)
+    # One static compile per shape (benchmarks/conftest.py raises dynamo's recompile limit: past it dynamo
+    # would silently run flex_attention eagerly, which materialises the scores).
     if window >= 0:  # causal sliding window: query i sees keys i - window ... i
         mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= window), B=None, H=None, Q_LEN=s,
                                  KV_LEN=s)

@@ -10,11 +10,18 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import torch._dynamo
 
 import kernels._mode  # noqa: F401  (chooses CUDA or the interpreter before triton is imported)
 from benchmarks import _harness
 
 _STATE: dict = {}
+
+# A peer compiled with torch.compile(dynamic=False) recompiles for every shape of a sweep, and dynamo
+# keeps at most `recompile_limit` (8) versions per function: past it, the function silently runs eager,
+# and the "torch.compile" column would time eager torch. Every sweep stays far below this limit.
+torch._dynamo.config.recompile_limit = 1024
+torch._dynamo.config.accumulated_recompile_limit = 1 << 16
 
 
 def pytest_report_header(config):
