@@ -11,7 +11,8 @@
 #   SHARDS=16 (test processes side by side; tests marked big_memory run alone after them, with the first
 #   range), SHARD_RANGE=a:b (run only shards a..b-1 of SHARDS, to split a long suite over several runs:
 #   the attention suite takes 8-10 minutes on 16 shards), SKIP_TESTS=1,
-#   SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args). FUSED_KERNELS_ATTENTION_PATH=hopper
+#   SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args, split on spaces: a -k expression with
+#   spaces goes in PYTEST_ADDOPTS="-k 'a or b'" instead). FUSED_KERNELS_ATTENTION_PATH=hopper
 #   or =portable runs every attention call on that kernel path (default auto: see kernels/attention/README.md).
 # Exit status: non-zero when the tests or the benchmarks failed.
 set -uo pipefail

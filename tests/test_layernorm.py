@@ -407,8 +407,9 @@ FUSED_CASES = [  # (kind, x dtype, residual, dropout_p, training); bf16 runs as 
         ("layer", torch.float32, None, 0.2, True),
     )
 ]
-FUSED_SHAPES = by_mode(interpreter=[(37, 300), (3, 4096), (5, 33)],
-                       cuda=[(37, 300), (3, 4096), (5, 33), (1000, 768), (64, 8192), (16, 20000), (8, 40000)])
+FUSED_SHAPES = by_mode(interpreter=[(37, 300), (3, 4096), (5, 33), (24, 512)],
+                       cuda=[(37, 300), (3, 4096), (5, 33), (24, 512), (1000, 768), (300, 1024), (64, 8192),
+                             (16, 20000), (8, 40000)])
 
 
 def _fused_inputs(m, n, kind, dtype, residual, seed=3):

@@ -2,7 +2,9 @@
 
 Implements ``philox4x32`` (four 32-bit words from a 128-bit counter and a 64-bit key), ``philox_key``
 (the key from two run-time ints, or from a seed on the device), and the element-wise dropout layout:
-``chunk_words`` (the four words of one chunk of ``4 * LANE_STRIDE`` elements) and ``scaled_where_kept``.
+``chunk_words`` (the four words of one chunk of ``4 * LANE_STRIDE`` elements), ``scaled_where_kept``, and
+``tile_keep_factor`` (the mask of a 2-D tile of whole rows that covers whole chunks, one Philox call per
+four elements, without walking the tile in flat chunks).
 The element-wise dropout kernel, the fused residual + dropout + norm and attention's dropout all draw
 from it; what counter each element uses is stated in the twins (``reference/dropout.py``,
 ``reference/attention.py``).
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 import reference.dropout as twin
+from kernels._common.runtime import INTERPRETER
 
 _M0 = tl.constexpr(twin.PHILOX_M0)
 _M1 = tl.constexpr(twin.PHILOX_M1)
@@ -27,6 +30,7 @@ _W0 = tl.constexpr(twin.PHILOX_W0)
 _W1 = tl.constexpr(twin.PHILOX_W1)
 _ROUNDS = tl.constexpr(twin.PHILOX_ROUNDS)
 LANE_STRIDE = tl.constexpr(twin.LANE_STRIDE)
+_COMPILED = tl.constexpr(not INTERPRETER)
 
 
 @triton.jit
@@ -77,7 +81,43 @@ def chunk_words(chunk, k0, k1):
 
 
 @triton.jit
-def scaled_where_kept(x, word, threshold, scale):
-    """``x * scale`` where the word clears the threshold, ``x * 0`` elsewhere (NaN stays NaN, as torch), fp32."""
-    factor = tl.where(word >= threshold, scale, 0.0)
+def scaled_where_kept(x, word, threshold, scale, ROUNDED: tl.constexpr = False):
+    """``x * scale`` where the word clears the threshold, ``x * 0`` elsewhere (NaN stays NaN, as torch), fp32.
+    ``ROUNDED``: as :func:`times_factor`."""
+    return times_factor(x, tl.where(word >= threshold, scale, 0.0), ROUNDED)
+
+
+@triton.jit
+def times_factor(x, factor, ROUNDED: tl.constexpr = False):
+    """``x * factor`` in fp32. ``ROUNDED``: the product is rounded on its own even when an add follows. The
+    compiler otherwise contracts ``x * scale + r`` into one FMA (one rounding instead of two), and an fp32
+    ``dropout(x) + r`` would then differ in the last bit from the dropout kernel's output added to ``r``. A
+    ``mul.rn`` is never contracted; the interpreter (NumPy) never contracts, so it multiplies plainly."""
+    if ROUNDED and _COMPILED:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x.to(tl.float32), factor],
+                                         dtype=tl.float32, is_pure=True, pack=1)
     return x.to(tl.float32) * factor
+
+
+@triton.jit
+def tile_keep_factor(row0, N, k0, k1, threshold, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dropout factors (``scale`` where kept, 0 where dropped, fp32) of the ``BLOCK_M x BLOCK_N`` tile of
+    rows ``row0 ..`` of a contiguous ``(M, N)`` tensor, in the element-wise layout: the same mask as
+    ``chunk_words`` over the flat elements. Requires ``N == BLOCK_N`` and ``BLOCK_M * BLOCK_N`` a multiple of
+    ``4 * LANE_STRIDE`` (so that, with ``row0`` a multiple of ``BLOCK_M``, the tile is whole chunks).
+
+    The tile's flat elements, viewed as ``(chunks, 4, LANE_STRIDE)``, are the chunks with their four runs:
+    the words are drawn on ``(chunks, LANE_STRIDE)``, broadcast along the run axis and the view reshaped
+    back to rows. Blocked layouts make the reshape free (no data moves); a thread then holds the four runs
+    of its lanes, so each Philox call serves four elements, unless the warps of a program span more than
+    ``LANE_STRIDE`` elements of one chunk (more than 4 warps of 8-element strips): then warps along the run
+    axis draw the same words."""
+    CHUNKS: tl.constexpr = BLOCK_M * BLOCK_N // (4 * LANE_STRIDE)
+    chunk = (tl.cast(row0, tl.int64) * N) // (4 * LANE_STRIDE) + tl.arange(0, CHUNKS).to(tl.int64)
+    group = (chunk[:, None] * LANE_STRIDE + tl.arange(0, LANE_STRIDE)[None, :]).to(tl.uint64)
+    zero = tl.zeros_like(group).to(tl.uint32)
+    w0, w1, w2, w3 = philox4x32(group.to(tl.uint32), (group >> 32).to(tl.uint32), zero, zero, k0, k1)
+    run = tl.arange(0, 4)[None, :, None]
+    word = tl.where(run == 0, w0[:, None, :],
+                    tl.where(run == 1, w1[:, None, :], tl.where(run == 2, w2[:, None, :], w3[:, None, :])))
+    return tl.reshape(tl.where(word >= threshold, scale, 0.0), [BLOCK_M, BLOCK_N])

@@ -18,10 +18,13 @@ Implements:
   both modes). It reads x and dy twice: 5 passes of M*N instead of 3.
 - ``_layer_norm_bwd_dwdb_kernel``: sums the buffers in buffer order into dW and dB.
 - ``_add_dropout_norm_fwd_kernel``: the pre-norm block's ``residual_out = dropout(x) + residual``, then its
-  norm, in one program: pass 1 walks the rows as the dropout family's flat chunks (``_dropout_add_span``,
-  the mask of ``kernels.dropout.dropout``), pass 2 re-reads them from L2 as rows (``_norm_tile_fwd``). Its
-  backward is ``_layer_norm_bwd_kernel`` with ``HAS_DRES`` (add the residual stream's gradient),
-  ``STORE_DR`` (store it for the residual) and ``DROPOUT`` (a flat pass applies the mask to each tile's dx).
+  norm, in one program, with the mask of ``kernels.dropout.dropout``. ``CHUNK_TILE`` (power-of-two rows,
+  tiles of whole dropout chunks): one pass, the mask drawn in the tile's layout (``tile_keep_factor``).
+  Otherwise pass 1 walks the rows as the dropout family's flat chunks (``_dropout_add_span``) and pass 2
+  re-reads them from L2 as rows (``_norm_tile_fwd``). Its backward is ``_layer_norm_bwd_kernel`` with
+  ``HAS_DRES`` (add the residual stream's gradient), ``STORE_DR`` (store it for the residual) and
+  ``DROPOUT`` (the mask on each tile's dx: in registers with ``CHUNK_TILE``, else a flat pass over the
+  tile re-read from L2, which stops the row loop's pipelining).
 RMSNorm is the same code with ``IS_RMS`` (no mean, no bias). Row statistics divide with ``tl.div_rn``:
 Triton's default fp32 ``/`` is approximate (``div.full``), and with N = 1 an ulp off in ``mean(g)`` makes
 dx nonzero (times rstd ~ 1/sqrt(eps)) where it must be exactly 0.
@@ -37,7 +40,14 @@ final sum, no waiting on locks). Limits: rows must be contiguous along N (the la
 import triton
 import triton.language as tl
 
-from kernels._common.philox import LANE_STRIDE, chunk_words, philox_key, scaled_where_kept
+from kernels._common.philox import (
+    LANE_STRIDE,
+    chunk_words,
+    philox_key,
+    scaled_where_kept,
+    tile_keep_factor,
+    times_factor,
+)
 
 
 @triton.jit
@@ -79,18 +89,27 @@ def _norm_tile_fwd(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row0, M, N, s
     """Rows ``row0 .. row0 + BLOCK_M`` held in registers (``BLOCK_N >= N``): statistics, y, mean and rstd."""
     cols = tl.arange(0, BLOCK_N)
     rows = row0 + tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+    _norm_rows_fwd(x.to(tl.float32), y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, M, N, stride_y_row, eps, IS_RMS,
+                   HAS_WEIGHT, HAS_BIAS, BLOCK_N)
+
+
+@triton.jit
+def _norm_rows_fwd(x, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, M, N, stride_y_row, eps, IS_RMS: tl.constexpr,
+                   HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The norm of rows ``rows`` already in registers (``x`` fp32, 0 outside the rows): y, mean, rstd."""
+    cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x_row
-    y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y_row
     mask = row_mask[:, None] & (cols[None, :] < N)
-    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if IS_RMS:
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        mean = tl.zeros(rows.shape, dtype=tl.float32)
         xc = x
     else:
         mean = tl.div_rn(tl.sum(x, axis=1), N * 1.0)
         xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.div_rn(_row_sum_of_squares(xc), N * 1.0) + eps)
+    y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y_row
     _affine_store(xc * rstd[:, None], y_rows, w_ptr, b_ptr, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
     _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS)
 
@@ -183,10 +202,10 @@ def _dropout_add_span(src_ptr, res_ptr, out_ptr, start, end, k0, k1, threshold, 
         v3 = tl.load(src_ptr + offs3, mask=in3, other=0.0)
         if DROPOUT:
             w0, w1, w2, w3 = chunk_words(chunk, k0, k1)
-            v0 = scaled_where_kept(v0, w0, threshold, scale).to(src_ptr.dtype.element_ty)
-            v1 = scaled_where_kept(v1, w1, threshold, scale).to(src_ptr.dtype.element_ty)
-            v2 = scaled_where_kept(v2, w2, threshold, scale).to(src_ptr.dtype.element_ty)
-            v3 = scaled_where_kept(v3, w3, threshold, scale).to(src_ptr.dtype.element_ty)
+            v0 = scaled_where_kept(v0, w0, threshold, scale, HAS_RESIDUAL).to(src_ptr.dtype.element_ty)
+            v1 = scaled_where_kept(v1, w1, threshold, scale, HAS_RESIDUAL).to(src_ptr.dtype.element_ty)
+            v2 = scaled_where_kept(v2, w2, threshold, scale, HAS_RESIDUAL).to(src_ptr.dtype.element_ty)
+            v3 = scaled_where_kept(v3, w3, threshold, scale, HAS_RESIDUAL).to(src_ptr.dtype.element_ty)
         v0 = v0.to(tl.float32)
         v1 = v1.to(tl.float32)
         v2 = v2.to(tl.float32)
@@ -224,20 +243,41 @@ def _add_dropout_norm_fwd_kernel(
     NORM: tl.constexpr,  # False: only residual_out (rows wider than one tile go to the chunked norm after)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CHUNK_TILE: tl.constexpr = False,  # N == BLOCK_N and the tile is whole dropout chunks: one pass
 ):
-    """Rows ``pid * BLOCK_M ..``: pass 1 writes their residual_out in the dropout layout; pass 2 reads the
-    same rows back (from L2: this program wrote them a moment ago) and normalises them."""
+    """Rows ``pid * BLOCK_M ..``. ``CHUNK_TILE``: one pass over the tile, the mask drawn in the rows' layout
+    (``tile_keep_factor``). Otherwise pass 1 writes their residual_out in the dropout layout and pass 2
+    reads the same rows back (from L2: this program wrote them a moment ago) and normalises them."""
     row0 = tl.program_id(0) * BLOCK_M
-    start = row0.to(tl.int64) * N
-    end = tl.minimum(row0 + BLOCK_M, M).to(tl.int64) * N
     k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
-    _dropout_add_span(x_ptr, res_ptr, rout_ptr, start, end, k0, k1, tl.cast(threshold, tl.uint32),
-                      tl.cast(scale, tl.float32), HAS_RESIDUAL, DROPOUT)
-    if NORM:
-        # pass 2 reads what other threads of this program stored in pass 1: the barrier orders them
-        tl.debug_barrier()
-        _norm_tile_fwd(rout_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row0, M, N, N, N, eps, IS_RMS,
-                       HAS_WEIGHT, HAS_BIAS, BLOCK_M, BLOCK_N)
+    if CHUNK_TILE:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        mask = (rows < M)[:, None] & (cols[None, :] < N)
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if DROPOUT:
+            factor = tile_keep_factor(row0, N, k0, k1, tl.cast(threshold, tl.uint32), tl.cast(scale, tl.float32),
+                                      BLOCK_M, BLOCK_N)
+            # rounded to x's dtype, as the dropout kernel stores it, before the fp32 add
+            v = times_factor(v, factor, HAS_RESIDUAL).to(x_ptr.dtype.element_ty)
+        v = v.to(tl.float32)
+        if HAS_RESIDUAL:
+            v += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = v.to(rout_ptr.dtype.element_ty)
+        tl.store(rout_ptr + offs, r, mask=mask)
+        _norm_rows_fwd(r.to(tl.float32), y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, M, N, N, eps, IS_RMS,
+                       HAS_WEIGHT, HAS_BIAS, BLOCK_N)
+    else:
+        start = row0.to(tl.int64) * N
+        end = tl.minimum(row0 + BLOCK_M, M).to(tl.int64) * N
+        _dropout_add_span(x_ptr, res_ptr, rout_ptr, start, end, k0, k1, tl.cast(threshold, tl.uint32),
+                          tl.cast(scale, tl.float32), HAS_RESIDUAL, DROPOUT)
+        if NORM:
+            # pass 2 reads what other threads of this program stored in pass 1: the barrier orders them
+            tl.debug_barrier()
+            _norm_tile_fwd(rout_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row0, M, N, N, N, eps, IS_RMS,
+                           HAS_WEIGHT, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -342,11 +382,13 @@ def _layer_norm_bwd_kernel(
     HAS_DRES: tl.constexpr = False,
     STORE_DR: tl.constexpr = False,
     DROPOUT: tl.constexpr = False,
+    CHUNK_TILE: tl.constexpr = False,  # N == BLOCK_N and each tile is whole dropout chunks
 ):
     """Rows up to one tile wide: dx, and one locked add of this program's partial dW/dB. Fused
     residual + dropout + norm: ``dr = dx + dres`` is stored as the residual's gradient (``STORE_DR``), and
-    ``dx = dropout(dr)`` (``DROPOUT``): each tile's dr goes to ``dx_ptr`` in x's dtype, then a flat pass
-    over the tile's elements (read back from L2) applies the forward's mask in place."""
+    ``dx = dropout(dr)`` in x's dtype (``DROPOUT``). With ``CHUNK_TILE`` the mask is drawn in the tile's
+    own layout (``tile_keep_factor``); otherwise each tile's dr goes to ``dx_ptr``, then a flat pass over the
+    tile's elements (read back from L2) applies the mask in place."""
     pid = tl.program_id(0)
     row_start = pid * rows_per_program
     row_end = row_start + rows_per_program  # the last program's range may pass M: rows are masked
@@ -361,6 +403,8 @@ def _layer_norm_bwd_kernel(
     # iteration would cross warps (shared memory and a barrier) on every tile.
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if DROPOUT:
+        k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
     for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=LOOP_STAGES):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_mask = (rows < row_end) & (rows < M)
@@ -375,10 +419,13 @@ def _layer_norm_bwd_kernel(
             dx += tl.load(dres_ptr + rows64 * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if STORE_DR:
             tl.store(dr_ptr + rows64 * N + cols[None, :], dx.to(dr_ptr.dtype.element_ty), mask=mask)
+        if DROPOUT and CHUNK_TILE:
+            factor = tile_keep_factor(r0, N, k0, k1, tl.cast(threshold, tl.uint32), tl.cast(scale, tl.float32),
+                                      BLOCK_M, BLOCK_N)
+            dx = times_factor(dx.to(dx_ptr.dtype.element_ty), factor)
         tl.store(dx_ptr + rows64 * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        if DROPOUT:
+        if DROPOUT and not CHUNK_TILE:
             tl.debug_barrier()  # the flat pass reads what other threads just stored
-            k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
             # tl.cast, not .to: the interpreter's loop variable is a Python int
             tile_end = tl.cast(tl.minimum(tl.minimum(r0 + BLOCK_M, row_end), M), tl.int64) * N
             _dropout_add_span(dx_ptr, dx_ptr, dx_ptr, tl.cast(r0, tl.int64) * N, tile_end, k0, k1,

@@ -159,21 +159,20 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
     w_arg = _or_unused(weight, x, traceable)
     mean_arg = _or_unused(None if is_rms else mean, x, traceable)
     if configs.fused_backward(n):
-        cfg = configs.backward(n)
+        dres, dr, drop = fused or (None, None, _dropout_kernel_args(0.0, 0, x, traceable))
+        dropout_on = drop[-2] != 0
+        cfg = configs.add_dropout_norm_backward(n) if dropout_on else {**configs.backward(n), "CHUNK_TILE": False}
         programs, rows_per_program, slots = configs.backward_grid(m, cfg, sms, deterministic)
         partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
         # Locks, then first-write flags: one zeroed allocation (lock mode only).
         locks = None if deterministic or not need_partial else torch.zeros(
             2 * slots, device=x.device, dtype=torch.int32)
-        dres, dr, drop = fused or (None, None, _dropout_kernel_args(0.0, 0, x, traceable))
-        if drop[-2] != 0:  # dropout's flat pass sits inside the row loop: no software pipelining across it
-            cfg = {**cfg, "LOOP_STAGES": 1}
         kernel_for(_layer_norm_bwd_kernel, traceable=traceable)[(programs,)](
             x, dy, dx, w_arg, mean_arg, rstd, _or_unused(partial, x, traceable), _or_unused(locks, x, traceable),
             m, n, stride_x, stride_dy, n, rows_per_program, slots, _or_unused(dres, x, traceable),
             _or_unused(dr, x, traceable), *drop,
             IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db, DETERMINISTIC=deterministic,
-            HAS_DRES=dres is not None, STORE_DR=dr is not None, DROPOUT=drop[-2] != 0, **cfg,
+            HAS_DRES=dres is not None, STORE_DR=dr is not None, DROPOUT=dropout_on, **cfg,
         )
     else:
         # Wide rows: row terms, then (column block, row group) programs with exclusive buffers.
@@ -361,7 +360,7 @@ def _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     if nothing_to_launch(x):
         return y, residual_out, mean, rstd
-    cfg = dict(configs.add_dropout_norm_forward(n))
+    cfg = dict(configs.add_dropout_norm_forward(n, dropout=dropout_p > 0))
     normalise_here = cfg.pop("SINGLE_PASS")
     drop = _dropout_kernel_args(dropout_p, seed, x, traceable)
     kernel_for(_add_dropout_norm_fwd_kernel, traceable=traceable)[(cdiv(m, cfg["BLOCK_M"]),)](
