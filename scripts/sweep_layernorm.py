@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
                                                 (int(w) for w in args.widths.split(","))):
         m = 2**27 // n
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=direction == "bwd")
-        w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+        # the weight's gradient too (dW's partial sums are part of the backward), as the benchmark takes it
+        w = (torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5).requires_grad_(direction == "bwd")
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         fused = args.op == "add_dropout_norm"
         if fused:
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     y = fwd()
                     if fused:
-                        run = lambda: torch.autograd.grad(y, (x, res), (dy, dres), retain_graph=True)
+                        run = lambda: torch.autograd.grad(y, (x, res, w), (dy, dres), retain_graph=True)
                     else:
-                        run = lambda: torch.autograd.grad(y, x, dy, retain_graph=True)
+                        run = lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True)
                 try:
                     ms = triton.testing.do_bench(run, return_mode="median")
                 except Exception as err:  # out of resources and the like: report, go on
