@@ -28,14 +28,19 @@ block over key blocks, so no two blocks write the same output (deterministic); G
 query heads of a group.
 
 **Dropout on the probabilities.** With ``dropout_p > 0`` the normalised probabilities are dropped and
-rescaled, ``Pd = P ∘ Z / (1 - p)``, and ``O = Pd V``; the log-sum-exp is that of the undropped scores.
-The keep mask ``Z`` comes from the dropout family's Philox4x32-10 (``reference.dropout.philox4x32``):
-probability ``(b, h, i, j)`` (query head ``h``, query ``i``, key ``j``) takes word ``j mod 4`` of the call
-with counter ``(j div 4, i, b * Hq + h, ATTENTION_COUNTER_TAG)`` and the 64-bit seed as key, and is kept
-iff that word is ``>= keep_threshold(p)``. One call serves four neighbouring keys, as in the kernel; the
-tag keeps these counters apart from the element-wise dropout's, whose last two words are 0. The
-backward regenerates ``Z``: ``dV = Pdᵀ dO``, ``dP = (dO Vᵀ) ∘ Z / (1 - p)``, ``dS = P ∘ (dP - delta)``;
-``delta = rowsum(dO ∘ O)`` still equals ``rowsum(P ∘ dP)``.
+rescaled, ``Pd = P ∘ Z / (1 - p)`` (``p`` rounded as below), and ``O = Pd V``; the log-sum-exp is that of
+the undropped scores. The keep mask ``Z`` comes from the dropout family's Philox4x32-10
+(``reference.dropout.philox4x32``) with 16-bit keep decisions, eight per call: probability ``(b, h, i, j)``
+(query head ``h``, query ``i``, key ``j``) takes half ``j mod 2`` (the low 16 bits first) of word
+``(j mod 8) div 2`` of the call with counter ``(j div 8, i, b * Hq + h, ATTENTION_COUNTER_TAG)`` and the
+64-bit seed as key, and is kept iff that half is ``>= attention_keep_threshold(p) = min(round(p * 2**16),
+2**16 - 1)``. So ``p`` is rounded to a multiple of ``2**-16`` (off by at most 7.6e-6), and kept
+probabilities are scaled by the inverse of the kept fraction, ``attention_keep_scale(p) = 2**16 / (2**16 -
+threshold)``, which keeps ``E[Pd] = P`` exact. One call serves eight neighbouring keys, as in the kernel
+(half the Philox work of a 32-bit decision per key); the tag keeps these counters apart from the
+element-wise dropout's, whose last two words are 0. The backward regenerates ``Z``: ``dV = Pdᵀ dO``,
+``dP = (dO Vᵀ) ∘ Z / (1 - p)``, ``dS = P ∘ (dP - delta)``; ``delta = rowsum(dO ∘ O)`` still equals
+``rowsum(P ∘ dP)``.
 
 Dependency rule: this file imports torch and ``reference.dropout`` only.
 """
@@ -46,11 +51,24 @@ import math
 
 import torch
 
-from reference.dropout import keep_threshold, philox4x32
+from reference.dropout import philox4x32
 
-#: Fourth Philox counter word of every attention-dropout draw ("ATT1"), shared with the kernel.
-ATTENTION_COUNTER_TAG = 0x41545431
+#: Fourth Philox counter word of every attention-dropout draw ("ATT2": 16-bit decisions), shared with the kernel.
+ATTENTION_COUNTER_TAG = 0x41545432
 _MASK32 = 0xFFFFFFFF
+#: Keep decisions are 16-bit: eight per Philox call.
+KEEP_BITS = 16
+
+
+def attention_keep_threshold(p: float) -> int:
+    """Keep a probability iff its 16-bit draw is >= this: ``round(p * 2**16)``, capped at ``2**16 - 1``."""
+    return min(round(p * 2**KEEP_BITS), 2**KEEP_BITS - 1)
+
+
+def attention_keep_scale(p: float) -> float:
+    """The factor of a kept probability: the inverse of the kept fraction ``1 - threshold / 2**16`` (1 when
+    ``p`` rounds to 0)."""
+    return 2**KEEP_BITS / (2**KEEP_BITS - attention_keep_threshold(p))
 
 
 def attention_keep_mask(b: int, hq: int, sq: int, sk: int, p: float, seed: int, *, device=None,
@@ -62,15 +80,16 @@ def attention_keep_mask(b: int, hq: int, sq: int, sk: int, p: float, seed: int, 
     bh = torch.arange(batch_offset * hq, (batch_offset + b) * hq, dtype=torch.int64, device=device)
     shape = (b * hq, sq, sk)
     counter = (
-        (j // 4).expand(shape),
+        (j // 8).expand(shape),
         i[:, None].expand(shape),
         bh[:, None, None].expand(shape),
         torch.full(shape, ATTENTION_COUNTER_TAG, dtype=torch.int64, device=device),
     )
     seed &= (1 << 64) - 1
     words = torch.stack(philox4x32(counter, (seed & _MASK32, seed >> 32)))
-    word = words.gather(0, (j % 4).expand(shape).unsqueeze(0)).squeeze(0)
-    return (word >= keep_threshold(p)).reshape(b, hq, sq, sk)
+    word = words.gather(0, (j % 8 // 2).expand(shape).unsqueeze(0)).squeeze(0)
+    half = (word >> (KEEP_BITS * (j % 2))) & (2**KEEP_BITS - 1)
+    return (half >= attention_keep_threshold(p)).reshape(b, hq, sq, sk)
 
 
 def _check_dropout(dropout_p: float, seed) -> None:
@@ -148,7 +167,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=
     s = torch.where(sees_some, s.masked_fill(~keep, float("-inf")), 0.0)
     p = torch.softmax(s, dim=-1) * sees_some
     if kept is not None:
-        p = torch.where(kept, p * (1.0 / (1.0 - dropout_p)), 0.0)
+        p = torch.where(kept, p * attention_keep_scale(dropout_p), 0.0)
     return torch.matmul(p, vf).to(q.dtype)
 
 
@@ -183,7 +202,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
             alpha = torch.exp(m - m_safe)
             row_sum = alpha * row_sum + p.sum(dim=-1)  # the normaliser counts dropped entries too
             if kept is not None:
-                p = torch.where(kept[:, :, rows, cols], p * (1.0 / (1.0 - dropout_p)), 0.0)
+                p = torch.where(kept[:, :, rows, cols], p * attention_keep_scale(dropout_p), 0.0)
             acc = alpha[..., None] * acc + torch.matmul(p, vf[:, :, cols])
             m = m_new
         seen = row_sum > 0
@@ -217,7 +236,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, softmax_scale
         if kept is None:
             return p, p * (dp - delta[:, :, rows, None])
         z = kept[:, :, rows, cols]
-        inv_keep = 1.0 / (1.0 - dropout_p)
+        inv_keep = attention_keep_scale(dropout_p)
         pd = torch.where(z, p * inv_keep, 0.0)
         dp = torch.where(z, dp * inv_keep, 0.0)
         return pd, p * (dp - delta[:, :, rows, None])

@@ -447,16 +447,29 @@ def _check_small_blocks(causal, sq, sk, window):
 
 
 def test_twin_keep_mask_is_the_documented_philox_draw():
-    from reference.dropout import keep_threshold, philox4x32
+    from reference.dropout import philox4x32
 
     seed, p = 0x1234_5678_9ABC_DEF0, 0.3
-    mask = twin.attention_keep_mask(2, 3, 5, 11, p, seed)
-    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 10), (1, 0, 3, 7), (0, 2, 1, 5)]:
-        counter = tuple(torch.tensor([c]) for c in (j // 4, i, b * 3 + h, twin.ATTENTION_COUNTER_TAG))
-        words = philox4x32(counter, (seed & 0xFFFFFFFF, seed >> 32))
-        assert bool(mask[b, h, i, j]) == (int(words[j % 4]) >= keep_threshold(p))
-    big = twin.attention_keep_mask(1, 4, 64, 256, 0.25, 7)
-    assert abs(big.float().mean().item() - 0.75) < 0.01  # 65536 draws: 5 sigma is 0.0085
+    threshold = twin.attention_keep_threshold(p)
+    assert threshold == round(0.3 * 65536) == 19661
+    mask = twin.attention_keep_mask(2, 3, 5, 19, p, seed)
+    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 10), (1, 0, 3, 7), (0, 2, 1, 5), (1, 1, 2, 17), (0, 1, 4, 14)]:
+        counter = tuple(torch.tensor([c]) for c in (j // 8, i, b * 3 + h, twin.ATTENTION_COUNTER_TAG))
+        word = int(philox4x32(counter, (seed & 0xFFFFFFFF, seed >> 32))[j % 8 // 2])
+        half = word & 0xFFFF if j % 2 == 0 else word >> 16
+        assert bool(mask[b, h, i, j]) == (half >= threshold)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.25, 0.5, 0.9])
+def test_attention_keep_rate_and_scale(p):
+    """The 16-bit rule: p rounded to a multiple of 2**-16, the kept fraction as drawn (262144 draws: 5 sigma
+    is under 0.005), and the scale that keeps E[Pd] = P exact."""
+    threshold = twin.attention_keep_threshold(p)
+    assert abs(threshold / 65536 - p) <= 2**-17
+    assert twin.attention_keep_scale(p) == 65536 / (65536 - threshold)
+    kept = twin.attention_keep_mask(2, 4, 64, 512, p, 7).float().mean().item()
+    assert abs(kept - (1 - threshold / 65536)) < 0.005
+    assert twin.attention_keep_threshold(1 - 1e-9) == 65535 and twin.attention_keep_scale(1e-7) == 1.0
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (5, 2)])
@@ -476,14 +489,14 @@ def test_flash_twins_with_dropout_equal_naive_and_its_autograd(case, causal, win
 
 
 def test_kernel_dropout_mask_equals_the_twins():
-    """q = 0 makes every probability 1/Sk and v = I reads them out: o * Sk * (1 - p) is the keep mask."""
+    """q = 0 makes every probability 1/Sk and v = I reads them out: o * Sk / (keep scale) is the keep mask."""
     b, h, sq, sk, p, seed = 2, 3, 37, 64, 0.4, 2024
     q = torch.zeros(b, h, sq, sk, device=DEVICE)
     k = torch.randn(b, h, sk, sk, device=DEVICE)
     v = torch.eye(sk, device=DEVICE).expand(b, h, sk, sk).contiguous()
     o = flash_attention(q, k, v, dropout_p=p, seed=seed)
     mask = twin.attention_keep_mask(b, h, sq, sk, p, seed, device=DEVICE)
-    torch.testing.assert_close(o * sk * (1 - p), mask.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o * sk / twin.attention_keep_scale(p), mask.float(), rtol=1e-5, atol=1e-5)
     assert 0.5 < mask.float().mean().item() < 0.7
 
 

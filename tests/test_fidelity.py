@@ -226,7 +226,7 @@ def _sdpa64(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), dro
                                                   device=q.device)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         p = torch.softmax((q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf")), -1)
-        return (p * keep / (1 - dropout_p)) @ v
+        return (p * keep * attention_twin.attention_keep_scale(dropout_p)) @ v
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
 
 

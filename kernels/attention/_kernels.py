@@ -98,18 +98,22 @@ def _apply_window(x, q_idx, k_idx, lo_shift, hi_shift, fill, HAS_LEFT: tl.conste
 @triton.jit
 def _dropout_keep(rows, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keep mask of attention dropout for queries ``rows`` (BLOCK_M) x keys ``n0 .. n0 + BLOCK_N``
-    (``n0`` a multiple of 4): key j takes word ``j % 4`` of Philox4x32-10 on the counter
-    ``(j // 4, i, bh, TAG)`` keyed by the seed (``reference.attention.attention_keep_mask``). One call
-    serves four keys; ``join`` + ``reshape`` interleave the four words back into key order."""
-    zeros = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32)
-    c0 = zeros + (n0 // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)[None, :]
+    (``n0`` a multiple of 8): key j takes the 16-bit half ``j % 2`` (low first) of word ``(j % 8) // 2`` of
+    Philox4x32-10 on the counter ``(j // 8, i, bh, TAG)`` keyed by the seed
+    (``reference.attention.attention_keep_mask``), kept iff it is ``>= threshold``. One call serves eight
+    keys; ``join`` + ``reshape`` interleave the eight halves back into key order."""
+    zeros = tl.zeros([BLOCK_M, BLOCK_N // 8], dtype=tl.uint32)
+    c0 = zeros + (n0 // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)[None, :]
     c1 = zeros + rows.to(tl.uint32)[:, None]
     c2 = zeros + tl.cast(bh, tl.uint32)
-    c3 = tl.full([BLOCK_M, BLOCK_N // 4], _COUNTER_TAG, dtype=tl.uint32)
+    c3 = tl.full([BLOCK_M, BLOCK_N // 8], _COUNTER_TAG, dtype=tl.uint32)
     w0, w1, w2, w3 = philox4x32(c0, c1, c2, c3, tl.cast(seed_lo, tl.uint32), tl.cast(seed_hi, tl.uint32))
-    # [.., g, a, b] = word 2a + b  ->  flat index 4g + 2a + b = key offset
-    words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_M, BLOCK_N))
-    return words >= tl.cast(threshold, tl.uint32)
+    # join(a, b) adds a last axis of 2; [.., g, a, b] of join(join(x0, x2), join(x1, x3)) is x_{2a+b}, and a
+    # third join of the low and high halves adds the half as the last axis: flat offset 8g + 2 * word + half.
+    low = tl.join(tl.join(w0 & 0xFFFF, w2 & 0xFFFF), tl.join(w1 & 0xFFFF, w3 & 0xFFFF))
+    high = tl.join(tl.join(w0 >> 16, w2 >> 16), tl.join(w1 >> 16, w3 >> 16))
+    halves = tl.reshape(tl.join(low, high), (BLOCK_M, BLOCK_N))
+    return halves >= tl.cast(threshold, tl.uint32)
 
 
 @triton.jit
@@ -199,7 +203,7 @@ def _attn_fwd_kernel(
     seed_lo, seed_hi,  # attention dropout: the 64-bit seed as two Philox key words
     seed_ptr, seed_in_memory,  # or the seed as one int64 on the device (dropout philox_key)
     threshold,  # keep iff the word is >= threshold
-    inv_keep,  # 1 / (1 - dropout_p)
+    inv_keep,  # 1 / the kept fraction (reference.attention.attention_keep_scale)
     HAS_LEFT: tl.constexpr,  # False: unbounded on that side (constexprs follow every run-time argument)
     HAS_RIGHT: tl.constexpr,
     DROPOUT: tl.constexpr,

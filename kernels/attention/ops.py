@@ -74,9 +74,14 @@ _NO_DROPOUT = (0, 0, None, 0, 1.0)
 
 
 def _dropout_args(dropout_p: float, seed: Seed) -> tuple:
-    """Attention dropout as ``(seed_lo, seed_hi, seed_tensor, threshold, inv_keep)``
-    (``kernels._common.seed.dropout_scalars``; a threshold of 0 keeps everything)."""
-    return _NO_DROPOUT if dropout_p == 0.0 else dropout_scalars(dropout_p, seed)
+    """Attention dropout as ``(seed_lo, seed_hi, seed_tensor, threshold, inv_keep)``: the seed as
+    ``kernels._common.seed.dropout_scalars`` passes it, the 16-bit keep threshold and the scale of
+    ``reference.attention`` (``p`` rounded to a multiple of 2**-16; a threshold of 0 keeps everything)."""
+    if dropout_p == 0.0:
+        return _NO_DROPOUT
+    seed_lo, seed_hi, seed_tensor, _, _ = dropout_scalars(dropout_p, seed)
+    return (seed_lo, seed_hi, seed_tensor, twin.attention_keep_threshold(dropout_p),
+            twin.attention_keep_scale(dropout_p))
 
 
 def _drop_launch_args(drop: tuple, like: torch.Tensor, traceable: bool) -> tuple[tuple, dict]:
@@ -435,11 +440,13 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     scores).
 
     ``dropout_p`` in [0, 1) drops normalised probabilities and rescales the kept ones by ``1 / (1 - p)``.
-    The keep mask is a pure function of ``seed`` and (batch, query head, query, key): the dropout family's
-    Philox4x32-10 on the counter stated in ``reference.attention`` (no mask is stored; the backward draws
-    it again). ``seed=None`` draws one from torch's generator for the device, so ``torch.manual_seed``
-    governs it and two calls differ (under torch.compile and in CUDA graphs it is drawn on the device: each
-    compiled call and each replay gets a new mask).
+    Keep decisions are 16-bit, so ``p`` is rounded to a multiple of ``2**-16`` (at most 7.6e-6 off; the
+    scale is the inverse of the rounded kept fraction). The keep mask is a pure function of ``seed`` and
+    (batch, query head, query, key): the dropout family's Philox4x32-10 on the counter stated in
+    ``reference.attention`` (no mask is stored; the backward draws it again). ``seed=None`` draws one from
+    torch's generator for the device, so ``torch.manual_seed`` governs it and two calls differ (under
+    torch.compile and in CUDA graphs it is drawn on the device: each compiled call and each replay gets a
+    new mask).
 
     Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA's are.
 
