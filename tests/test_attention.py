@@ -246,14 +246,13 @@ def _grads(fn, q, k, v, do):
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
-def test_kernel_within_twice_torchs_own_error(case, causal, dtype, deterministic):
+def test_kernel_within_twice_torchs_own_error(case, causal, dtype):
     q, k, v = (t.to(DEVICE, dtype) for t in _qkv(*case, dtype=torch.float32))
     do = torch.randn_like(q)
-    ours = _grads(lambda a, b, c: flash_attention(a, b, c, causal=causal, deterministic=deterministic), q, k, v, do)
+    ours = _grads(lambda a, b, c: flash_attention(a, b, c, causal=causal), q, k, v, do)
     peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, causal), q, k, v, do)
     ref = _grads(lambda a, b, c: twin.attention(a, b, c, causal=causal), q.double(), k.double(), v.double(),
                  do.double())
@@ -418,28 +417,27 @@ def test_kernel_long_sequence_and_large_head_dim():
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("sq", "sk"), [(70, 45), (45, 70), (64, 64)], ids=str)
-@pytest.mark.parametrize("backward", ["one launch", "two launches", "atomic dQ"])
-def test_kernel_block_boundaries(blocks, causal, sq, sk, window, backward):
+@pytest.mark.parametrize("launches", [1, 2])
+def test_kernel_block_boundaries(blocks, causal, sq, sk, window, launches):
     """Small blocks, so the masked/unmasked split of every loop (both edges of the band, the tails of Sq
-    and Sk) is crossed; the deterministic backward as one launch (dK/dV and dQ programs with different
-    blocks) or two, and the backward that adds dQ up with atomics in the dK/dV programs."""
+    and Sk) is crossed; the backward as one launch (dK/dV and dQ programs with different blocks) or two."""
     from kernels.attention import configs
 
     def small_blocks(query, tile):
         block_m, block_n = blocks[::-1] if query.kernel == "dq" else blocks
         return tile._replace(block_m=block_m, block_n=block_n, num_stages=1)
 
-    with configs.override(small_blocks, fuse=backward == "one launch"):
-        _check_small_blocks(causal, sq, sk, window, deterministic=backward != "atomic dQ")
+    with configs.override(small_blocks, fuse=launches == 1):
+        _check_small_blocks(causal, sq, sk, window)
 
 
-def _check_small_blocks(causal, sq, sk, window, deterministic=True):
+def _check_small_blocks(causal, sq, sk, window):
     q, k, v = (t.to(DEVICE) for t in _qkv(1, 2, 1, sq, sk, 16, dtype=torch.float32))
     do = torch.randn_like(q)
     kw = {"causal": causal, "window_size": window}
     if window == (7, 3):  # and dropout, whose keep mask is drawn per tile
         kw.update(dropout_p=0.25, seed=5)
-    got = _grads(lambda a, b, c: flash_attention(a, b, c, deterministic=deterministic, **kw), q, k, v, do)
+    got = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
     expected = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q, k, v, do)
     for name, g, e in zip(("o", "dq", "dk", "dv"), got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=2e-4, atol=2e-4, msg=lambda m, n=name: f"{n}: {m}")

@@ -110,7 +110,7 @@ def _opcheck_cases():
                                   False, 0.2, 5, None, torch.float32, True)),
         ("flash_attn_fwd", (q, k, v, -1, 0, 0.2, 0.1, 0, seed_tensor, None, None, 0, 0)),
         ("flash_attn_bwd", (rand(1, 2, 40, 32), q.detach(), k.detach(), v.detach(), o.detach(), lse, -1, 0, 0.2,
-                            0.1, 9, None, None, None, 0, 0, True)),
+                            0.1, 9, None, None, None, 0, 0)),
     ]
 
 

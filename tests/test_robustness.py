@@ -290,8 +290,7 @@ def test_attention_scores_of_ten_thousand_do_not_overflow(dtype):
 
 @pytest.mark.parametrize(("causal", "dropout_p", "hkv"), [(False, 0.0, 4), (True, 0.0, 1), (True, 0.2, 2)], ids=str)
 def test_attention_forward_and_backward_are_bitwise_reproducible(causal, dropout_p, hkv):
-    """``deterministic=True``: the backward has no atomics (one program owns each dK/dV block, another each
-    dQ block)."""
+    """The backward has no atomics (one program owns each dK/dV block, another each dQ block)."""
     sq, sk, d = by_mode(interpreter=(40, 70, 16), cuda=(1000, 1100, 128))
     dtype = by_mode(interpreter=torch.float32, cuda=torch.bfloat16)
     q, k, v = (_randn(2, h, s, d, dtype=dtype, seed=i, requires_grad=True)

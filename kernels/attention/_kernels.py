@@ -273,18 +273,15 @@ def _attn_fwd_kernel(
 def _attn_bwd_preprocess_kernel(
     o_ptr, do_ptr,  # (B, Hq, Sq, D), any strides
     delta_ptr,  # (B, Hq, Sq) fp32 output, laid out as the lse
-    dq_acc_ptr,  # fp32 dQ accumulator laid out as q, zeroed here when ZERO_DQ
     cu_seqlens_q,
     stride_lb, stride_lh,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_dob, stride_doh, stride_dos, stride_dod,
-    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
     Hq, Sq, D,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     VARLEN: tl.constexpr,
-    ZERO_DQ: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -301,10 +298,6 @@ def _attn_bwd_preprocess_kernel(
                     True, EVEN_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(_head_base(delta_ptr, b, h, stride_lb, stride_lh, q_start, 1) + offs_m, delta, mask=offs_m < Sq)
-    if ZERO_DQ:  # the atomic dQ accumulates into this; zeroing it here saves a memset launch
-        tl.store(_head_base(dq_acc_ptr, b, h, stride_dqb, stride_dqh, q_start, stride_dqs)
-                 + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
-                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=(offs_m < Sq)[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
@@ -314,10 +307,8 @@ def _attn_bwd_dkdv_inner(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
-    dq_base, stride_dqs, stride_dqd, scale, ATOMIC_DQ: tl.constexpr,
 ):
-    """Accumulate this key block's dK (unscaled) and dV over the query blocks [start, end) of one head; with
-    ``ATOMIC_DQ``, also add this key block's share of each query block's dQ (scaled) into the fp32 accumulator."""
+    """Accumulate this key block's dK (unscaled) and dV over the query blocks [start, end) of one head."""
     for m0 in range(start, end, BLOCK_M):
         rows = m0 + offs_m
         q = _load_rows(q_base, rows, stride_qs, offs_d, stride_qd, Sq, D, True, EVEN_D)
@@ -337,13 +328,8 @@ def _attn_bwd_dkdv_inner(
             dpt = tl.where(keep_t, dpt * inv_keep, 0.0)
         else:
             dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
-        dk += tl.dot(dst, q, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION) * scale
-            # relaxed: the adds only need to be atomic; the next kernel's launch orders them before any read
-            tl.atomic_add(dq_base + rows[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq,
-                          mask=(rows < Sq)[:, None] & (offs_d < D)[None, :], sem="relaxed")
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -357,10 +343,8 @@ def _attn_bwd_dkdv_program(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-    dq_ptr, stride_dqb, stride_dqh, stride_dqs, stride_dqd, ATOMIC_DQ: tl.constexpr,
 ):
-    """dK and dV of one key block of one key/value head, over every query that sees it (and, with
-    ``ATOMIC_DQ``, that key block's share of their dQ)."""
+    """dK and dV of one key block of one key/value head, over every query that sees it."""
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     n0 = pid_n * BLOCK_N
@@ -407,30 +391,23 @@ def _attn_bwd_dkdv_program(
         bh = b * Hq + h
         lse_base = _head_base(lse_ptr, b, h, stride_lb, stride_lh, q_start, 1)
         delta_base = _head_base(delta_ptr, b, h, stride_lb, stride_lh, q_start, 1)
-        if ATOMIC_DQ:
-            dq_base = _head_base(dq_ptr, b, h, stride_dqb, stride_dqh, q_start, stride_dqs)
-        else:  # dq_ptr may be None (a dK/dV-only launch)
-            dq_base = dq_ptr
         if HAS_RIGHT:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                           stride_qs, stride_qd, stride_dos, stride_dod, start_m, full_lo,
                                           offs_m, keys, offs_d, Sq, D, lo_shift, hi_shift, scale_log2,
                                           True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                                          n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT,
-                                          dq_base, stride_dqs, stride_dqd, scale, ATOMIC_DQ)
+                                          n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                       stride_qs, stride_qd, stride_dos, stride_dod, full_lo, full_hi,
                                       offs_m, keys, offs_d, Sq, D, lo_shift, hi_shift, scale_log2,
                                       False, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                                      n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT,
-                                      dq_base, stride_dqs, stride_dqd, scale, ATOMIC_DQ)
+                                      n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
         if HAS_LEFT:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                           stride_qs, stride_qd, stride_dos, stride_dod, full_hi, end_m,
                                           offs_m, keys, offs_d, Sq, D, lo_shift, hi_shift, scale_log2,
                                           True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                                          n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT,
-                                          dq_base, stride_dqs, stride_dqd, scale, ATOMIC_DQ)
+                                          n0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     tile = keys[:, None] * stride_dks + offs_d[None, :] * stride_dkd
     mask = (keys < Sk)[:, None] & (offs_d < D)[None, :]
     tl.store(_head_base(dk_ptr, b, hk, stride_dkb, stride_dkh, k_start, stride_dks) + tile,
@@ -551,7 +528,6 @@ def _attn_bwd_kernel(
     DROPOUT: tl.constexpr,
     DKDV: tl.constexpr,  # the first kv_programs programs compute dK/dV
     DQ: tl.constexpr,  # the programs after them compute dQ
-    ATOMIC_DQ: tl.constexpr,  # dK/dV programs add dQ into dq_ptr (fp32, zeroed) with atomics; then DQ is False
     KV_BLOCK_M: tl.constexpr,  # dK/dV programs: queries per step, keys per program
     KV_BLOCK_N: tl.constexpr,
     Q_BLOCK_M: tl.constexpr,  # dQ programs: queries per program, keys per step
@@ -573,7 +549,7 @@ def _attn_bwd_kernel(
                 stride_dob, stride_doh, stride_dos, stride_dod, stride_dkb, stride_dkh, stride_dks, stride_dkd,
                 Hq, Hkv, GROUP, Sq, Sk, D, scale, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
                 seed_lo, seed_hi, threshold, inv_keep, DROPOUT, KV_BLOCK_M, KV_BLOCK_N, BLOCK_D, EVEN_D, DOT_PRECISION,
-                VARLEN, dq_ptr, stride_dqb, stride_dqh, stride_dqs, stride_dqd, ATOMIC_DQ)
+                VARLEN)
             return
     if DQ:
         pid -= kv_programs

@@ -272,12 +272,6 @@ def fuse_backward(dkdv_cfg: dict, dq_cfg: dict) -> bool:
     return dkdv_cfg["num_warps"] == dq_cfg["num_warps"] and dkdv_cfg["num_stages"] == dq_cfg["num_stages"]
 
 
-def atomic_dq(d: int, dtype: torch.dtype) -> bool:
-    """Whether a non-deterministic backward adds dQ up with atomics in the dK/dV programs (five matmuls per
-    tile pair and one dropout draw) instead of running dQ programs that recompute the scores (seven, two)."""
-    return True
-
-
 def preprocess_block_m(bd: int) -> int:
     """Rows per program of the backward's ``delta = rowsum(dO * O)``: about 8192 elements per tile."""
     return max(16, min(128, 8192 // bd))

@@ -182,26 +182,22 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     )
 
 
-def _launch_bwd_preprocess(o, do, delta, varlen=None, dq_acc=None, *, traceable=False):
-    """``delta = rowsum(dO * O)``; zeroes ``dq_acc`` (fp32, laid out as q) when given."""
+def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False):
     b, hq, _, sq, _, d = _dims(o, o, varlen)
     block_d = configs.block_d(d)
     block_m = configs.preprocess_block_m(block_d)
     cu_q, _, stride_lb, stride_lh = _seq_args(delta, varlen, traceable)
-    zero_dq = dq_acc is not None
     kernel_for(_attn_bwd_preprocess_kernel, traceable=traceable)[(cdiv(sq, block_m), b * hq)](
-        o, do, delta, dq_acc if zero_dq else unused_pointer(o, traceable), cu_q, stride_lb, stride_lh,
-        *_strides(o), *_strides(do), *_strides(dq_acc if zero_dq else o), hq, sq, d,
-        BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=d == block_d, VARLEN=varlen is not None, ZERO_DQ=zero_dq,
+        o, do, delta, cu_q, stride_lb, stride_lh, *_strides(o), *_strides(do), hq, sq, d,
+        BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=d == block_d, VARLEN=varlen is not None,
     )
 
 
 def _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scale: float, dkdv_cfg: dict | None,
-                dq_cfg: dict | None, drop: tuple = _NO_DROPOUT, varlen=None, *, atomic_dq=False, traceable=False):
+                dq_cfg: dict | None, drop: tuple = _NO_DROPOUT, varlen=None, *, traceable=False):
     """One launch of ``_attn_bwd_kernel``: dK/dV programs (``dkdv_cfg``; writes ``dk``, ``dv``) then dQ programs
     (``dq_cfg``; writes ``dq``). A None config leaves that part out, and its outputs may be None. Both parts in
-    one launch share ``num_warps`` and ``num_stages``: the dQ config's are ignored when both are given. With
-    ``atomic_dq`` (and no ``dq_cfg``) the dK/dV programs add the scaled dQ into ``dq``, a zeroed fp32 tensor."""
+    one launch share ``num_warps`` and ``num_stages``: the dQ config's are ignored when both are given."""
     b, hq, hkv, sq, sk, d = _dims(q, k, varlen)
     kv_blocks = cdiv(sk, dkdv_cfg["BLOCK_N"]) if dkdv_cfg else 1
     kv_programs = kv_blocks * b * hkv if dkdv_cfg else 0
@@ -219,7 +215,7 @@ def _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scal
         q, k, v, do, lse, delta, dq, dk, dv, *_seq_args(lse, varlen, traceable),
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *dq_strides, *dk_strides,
         hq, hkv, hq // hkv, sq, sk, d, scale, *band, *drop_args, kv_blocks, kv_programs, q_blocks,
-        **band_flags, **drop_flags, DKDV=dkdv_cfg is not None, DQ=dq_cfg is not None, ATOMIC_DQ=atomic_dq,
+        **band_flags, **drop_flags, DKDV=dkdv_cfg is not None, DQ=dq_cfg is not None,
         KV_BLOCK_M=kv_cfg["BLOCK_M"], KV_BLOCK_N=kv_cfg["BLOCK_N"], Q_BLOCK_M=q_cfg["BLOCK_M"],
         Q_BLOCK_N=q_cfg["BLOCK_N"], BLOCK_D=kv_cfg["BLOCK_D"], EVEN_D=kv_cfg["EVEN_D"],
         DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, num_warps=kv_cfg["num_warps"],
@@ -264,30 +260,21 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
 
 
 def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0,
-              varlen=None, deterministic: bool = False, *, traceable=False):
-    """``(dq, dk, dv)``, laid out as q, k, v (contiguous). ``deterministic``: dQ by its own programs, which
-    recompute the scores, instead of added up with atomics by the dK/dV programs."""
+              varlen=None, *, traceable=False):
+    """``(dq, dk, dv)``, laid out as q, k, v (contiguous)."""
     b, _, _, _, _, d = _dims(q, k, varlen)
     too_wide_for_fp32 = q.dtype == torch.float32 and configs.block_d(d) > configs.FP32_MAX_KERNEL_BWD_DIM
     if backend_for(q) == "reference" or too_wide_for_fp32:
         return _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen)
     if nothing_to_launch(q) or k.numel() == 0 or b == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
+    _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     drop = _dropout_args(dropout_p, seed)
     sq = _dims(q, k, varlen)[3]
-    if not deterministic and configs.atomic_dq(d, q.dtype):
-        dkdv_cfg = configs.launch_config("dkdv", d, q.dtype, left, right, sq)
-        # fp32 inputs accumulate straight into their dQ; 16-bit ones into an fp32 buffer, rounded once at the end
-        dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        _launch_bwd_preprocess(o, do, delta, varlen, dq_acc, traceable=traceable)
-        _launch_bwd(do, q, k, v, lse, delta, dq_acc, dk, dv, left, right, scale, dkdv_cfg, None, drop, varlen,
-                    atomic_dq=True, traceable=traceable)
-        return dq_acc.to(q.dtype), dk, dv
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     dkdv_cfg, dq_cfg = (configs.launch_config(kernel, d, q.dtype, left, right, sq) for kernel in ("dkdv", "dq"))
     if configs.fuse_backward(dkdv_cfg, dq_cfg):
         _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left, right, scale, dkdv_cfg, dq_cfg, drop, varlen,
@@ -306,34 +293,34 @@ def _varlen(cu_q, cu_k, max_sq: int, max_sk: int):
 
 class _FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd: saves q, k, v, o and the fp32 log-sum-exp (O(B·H·S) extra memory). ``args``:
-    ``(left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    deterministic)``, the cumulative lengths None for dense batches."""
+    ``(left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``,
+    the cumulative lengths None for dense batches."""
 
     @staticmethod
     def forward(ctx, q, k, v, *args):
-        *band_drop, cu_q, cu_k, max_sq, max_sk, deterministic = args
+        *band_drop, cu_q, cu_k, max_sq, max_sk = args
         varlen = _varlen(cu_q, cu_k, max_sq, max_sk)
         o, lse = _fwd_impl(q, k, v, *band_drop, varlen)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args, ctx.varlen, ctx.deterministic = tuple(band_drop), varlen, deterministic
+        ctx.args, ctx.varlen = tuple(band_drop), varlen
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, *ctx.args, ctx.varlen, ctx.deterministic)
-        return dq, dk, dv, *([None] * 10)
+        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, *ctx.args, ctx.varlen)
+        return dq, dk, dv, *([None] * 9)
 
 
 @triton_op(f"{LIBRARY_NAMESPACE}::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
                       scale: float, dropout_p: float, seed: int, seed_tensor: torch.Tensor | None,
                       cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
-                      max_seqlen_k: int, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Registered forward: ``(o, lse)``; the band as in ``_band`` (causal is ``window_right = 0``); ``seed``
     is the 64-bit dropout seed as a signed int64, or ``seed_tensor`` (a 0-d int64 device tensor the kernel
-    reads) when given; packed batches pass their cumulative lengths; ``deterministic`` is the backward's."""
+    reads) when given; packed batches pass their cumulative lengths."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _fwd_impl(q, k, v, window_left, window_right, scale, dropout_p, seed_from_op_args(seed, seed_tensor),
                      varlen, traceable=True)
@@ -343,12 +330,12 @@ def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_
 def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, window_left: int, window_right: int, scale: float, dropout_p: float,
                       seed: int, seed_tensor: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
-                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-                      deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+                      max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Registered backward: ``(dq, dk, dv)``."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _bwd_impl(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p,
-                     seed_from_op_args(seed, seed_tensor), varlen, deterministic, traceable=True)
+                     seed_from_op_args(seed, seed_tensor), varlen, traceable=True)
 
 
 def _setup_context(ctx, inputs, output):
@@ -364,18 +351,17 @@ def _backward(ctx, do, _dlse):
     q, k, v, o, lse, seed_tensor = ctx.saved_tensors
     dq, dk, dv = torch.ops.fused_kernels.flash_attn_bwd(do.contiguous(), q, k, v, o, lse, *ctx.args, seed_tensor,
                                                         *ctx.varlen_args)
-    return dq, dk, dv, *([None] * 11)
+    return dq, dk, dv, *([None] * 10)
 
 
 flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max_sq=0, max_sk=0,
-         deterministic=False):
-    args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk, deterministic)
+def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max_sq=0, max_sk=0):
+    args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk)
     if torch.compiler.is_compiling():
         return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, left, right, scale, dropout_p, *op_seed_args(seed),
-                                                      cu_q, cu_k, max_sq, max_sk, deterministic)
+                                                      cu_q, cu_k, max_sq, max_sk)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttentionFunction.apply(q, k, v, *args)
     # Nothing to differentiate: skip autograd.Function.apply, whose host cost is a sizeable part of a
@@ -464,9 +450,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
 
     Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA's are.
 
-    The backward adds each query block's dQ up over key blocks with fp32 atomics (run-to-run differences in
-    the last bits of dQ); ``deterministic=True`` computes dQ in programs of its own instead, which recompute
-    the scores (two more matmuls per tile pair), and repeats bit for bit.
+    The backward is deterministic in every mode (``deterministic`` is accepted for API compatibility).
 
     On sm_90 GPUs an eager forward that :func:`uses_hopper_forward` names runs the Hopper kernel
     (``kernels/attention/_hopper.py``); the environment variable ``FUSED_KERNELS_ATTENTION_PATH``
@@ -479,7 +463,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     left, right = _window(window_size, bool(causal))
     dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
     scale = _scale(softmax_scale, q.shape[3])
-    o, lse = _run(q, k, v, left, right, scale, dropout_p, seed, deterministic=bool(deterministic))
+    o, lse = _run(q, k, v, left, right, scale, dropout_p, seed)
     return (o, lse) if return_lse else o
 
 
@@ -500,8 +484,7 @@ def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1), return_lse=False,
-                           deterministic=False):
+                           softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1), return_lse=False):
     """FlashAttention-2 over packed variable-length batches, without padding.
 
     q ``(total_q, Hq, D)``, k/v ``(total_k, Hkv, D)``: sequence ``b`` is rows ``cu_seqlens_q[b] ..
@@ -510,7 +493,6 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     grid; a smaller value than the true maximum leaves rows unwritten, so pass the real maximum). Each
     sequence is attended alone, with the masks and dropout of :func:`flash_attention` (sequence ``b``
     draws the dropout mask of batch row ``b``). ``return_lse`` adds the log-sum-exp as ``(Hq, total_q)``.
-    ``deterministic`` as in :func:`flash_attention`.
     """
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)
@@ -519,5 +501,5 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
     scale = _scale(softmax_scale, q.shape[2])
     o, lse = _run(q, k, v, left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                  int(max_seqlen_k), bool(deterministic))
+                  int(max_seqlen_k))
     return (o, lse) if return_lse else o
