@@ -1,10 +1,21 @@
 """Where a training step of the GPT example goes, per backend: torch.profiler over a few eager steps.
 
     python3 -m scripts.profile_gpt [--steps 5] [--dropout 0.1] [--batch 16] [--seq 256]
+    python3 -m scripts.profile_gpt --ops [--calls 300] [--rounds 3] [--only dropout,...] [--profile OP]
 
 Prints, for each backend, the wall time per step, the GPU kernel time per step (sum of kernel durations;
 when it is well under the wall time the step is bound by the host) and the kernels that take the most GPU
 time, grouped by name.
+
+``--ops``: host time per call of each public op instead, ours against torch's, at a tiny size (the kernels
+take a few µs, so the clock measures the Python, dispatch and launch path). For each op: the forward with
+inputs that require grad (the autograd node included), and the forward plus ``.backward()``; ``calls`` calls
+back to back without synchronising (``benchmarks._harness.host_us``), the median of ``rounds`` interleaved
+rounds. torch's side is the op a user would otherwise call: ``F.dropout``, ``F.layer_norm``, ``F.rms_norm``,
+the composition ``F.layer_norm(F.dropout(x) + residual)`` for ``add_dropout_norm``, and SDPA (whatever
+backend it picks) for ``flash_attention``. A last row gives the floor of any op written in Python: an
+``autograd.Function`` that only allocates its output, against the bare allocation. ``--profile OP`` adds a
+cProfile of that op's forward + backward, the functions with the most own time first.
 """
 
 from __future__ import annotations
@@ -14,11 +25,19 @@ import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton
 # isort: split
 
 import argparse
+import cProfile
+import pstats
+import statistics
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks._harness import host_us
 from examples.gpt import GPT, add_model_arguments, batches, config_from_arguments, load_corpus
+from kernels.attention import flash_attention
+from kernels.dropout import dropout
+from kernels.layernorm import add_dropout_norm, layer_norm, rms_norm
 
 
 def profile(backend: str, args) -> None:
@@ -56,42 +75,89 @@ def profile(backend: str, args) -> None:
         print(f"{e.key[:90]:<90} {e.self_cpu_time_total / 1e3 / args.steps:8.3f} {e.count / args.steps:10.1f}")
 
 
-def op_host_costs(args) -> None:
-    """Wall time per call of each op of one block, forward + backward, at the model's shapes, ours and
-    torch's, called back to back without synchronising: the host cost when the kernels are short."""
-    import torch.nn.functional as F
-
-    from kernels.attention import flash_attention
-    from kernels.dropout import dropout
-    from kernels.layernorm import layer_norm
-
-    b, s, h, d = args.batch, args.seq, args.heads, args.d_model
-    x = torch.randn(b, s, d, device="cuda", requires_grad=True)
-    w, bias = (torch.randn(d, device="cuda", requires_grad=True) for _ in range(2))
-    xb = torch.randn(b, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    qkv = torch.randn(b, s, 3, h, d // h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-
-    def attention_inputs():
-        return qkv.permute(2, 0, 3, 1, 4).unbind(0)
-
-    cases = {
-        "layer_norm fp32": (lambda: layer_norm(x, d, w, bias), lambda: F.layer_norm(x, (d,), w, bias)),
-        "dropout bf16": (lambda: dropout(xb, 0.1), lambda: F.dropout(xb, 0.1)),
-        "attention bf16 causal p=0.1": (lambda: flash_attention(*attention_inputs(), causal=True, dropout_p=0.1),
-                                        lambda: F.scaled_dot_product_attention(*attention_inputs(), is_causal=True,
-                                                                               dropout_p=0.1)),
-        "attention bf16 causal p=0": (lambda: flash_attention(*attention_inputs(), causal=True),
-                                      lambda: F.scaled_dot_product_attention(*attention_inputs(), is_causal=True)),
+def _cases() -> dict[str, tuple[Callable, Callable]]:
+    """op -> (ours, torch's): each returns the output(s) whose sum is differentiated."""
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    x, residual = (torch.randn(8, 1024, **bf16, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(1024, **bf16, requires_grad=True) for _ in range(2))
+    q, k, v = (torch.randn(1, 2, 64, 64, **bf16, requires_grad=True) for _ in range(3))
+    return {
+        "dropout": (lambda: dropout(x, 0.1), lambda: F.dropout(x, 0.1)),
+        "layer_norm": (lambda: layer_norm(x, 1024, w, b), lambda: F.layer_norm(x, (1024,), w, b)),
+        "rms_norm": (lambda: rms_norm(x, 1024, w), lambda: F.rms_norm(x, (1024,), w)),
+        "add_dropout_norm": (lambda: add_dropout_norm(x, residual, w, b, dropout_p=0.1),
+                             lambda: _torch_add_dropout_norm(x, residual, w, b)),
+        "flash_attention": (lambda: flash_attention(q, k, v, causal=True),
+                            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "flash_attention p=0.1": (lambda: flash_attention(q, k, v, causal=True, dropout_p=0.1),
+                                  lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)),
     }
-    print(f"{'op (forward + backward)':<32} {'ours us/call':>12} {'torch us/call':>13}")
-    for name, fns in cases.items():
-        row = []
-        for fn in fns:
-            def run(fn=fn):
-                out = fn()
-                out.backward(torch.ones_like(out))
-            row.append(host_us(run, calls=args.calls, warmup=5, until_done=True))
-        print(f"{name:<32} {row[0]:12.1f} {row[1]:13.1f}")
+
+
+class _Passthrough(torch.autograd.Function):
+    """The floor of an op written as a Python ``autograd.Function``: one allocation forward, none backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _floors() -> dict[str, tuple[Callable, Callable]]:
+    """What no Python op gets under: an ``autograd.Function`` that launches nothing, against one allocation."""
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return {"floor: autograd.Function": (lambda: _Passthrough.apply(x), lambda: torch.empty_like(x))}
+
+
+def _torch_add_dropout_norm(x, residual, w, b):
+    residual_out = F.dropout(x, 0.1) + residual
+    return F.layer_norm(residual_out, (x.shape[-1],), w, b), residual_out
+
+
+def _forward_backward(fn: Callable) -> Callable[[], None]:
+    def run():
+        out = fn()
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return run
+
+
+def op_host_costs(args) -> None:
+    """The ``--ops`` table (see the module docstring) and, with ``--profile``, one op's cProfile."""
+    cases = {**_cases(), **_floors()}
+    chosen = args.only.split(",") if args.only else list(cases)
+    print(f"{'op':<24} {'fwd ours':>9} {'fwd torch':>9} {'ratio':>6} {'fwd+bwd ours':>13} {'fwd+bwd torch':>13}"
+          f" {'ratio':>6}   (µs of host time per call)")
+    for name in chosen:
+        ours, theirs = cases[name]
+        timings = {key: [] for key in ("fwd ours", "fwd torch", "both ours", "both torch")}
+        # the floor's torch side is a bare allocation: nothing to differentiate, so forward only
+        differentiable = not name.startswith("floor")
+        for _ in range(args.rounds):
+            timings["fwd ours"].append(host_us(ours, calls=args.calls))
+            timings["fwd torch"].append(host_us(theirs, calls=args.calls))
+            timings["both ours"].append(host_us(_forward_backward(ours), calls=args.calls))
+            timings["both torch"].append(host_us(_forward_backward(theirs) if differentiable else theirs,
+                                                 calls=args.calls))
+        m = {key: statistics.median(values) for key, values in timings.items()}
+        print(f"{name:<24} {m['fwd ours']:9.1f} {m['fwd torch']:9.1f} {m['fwd ours'] / m['fwd torch']:6.2f} "
+              f"{m['both ours']:13.1f} {m['both torch']:13.1f} {m['both ours'] / m['both torch']:6.2f}")
+    if args.profile:
+        run = _forward_backward(cases[args.profile][0])
+        for _ in range(20):
+            run()
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.calls):
+            run()
+        profiler.disable()
+        torch.cuda.synchronize()
+        print(f"\ncProfile of {args.calls} forward + backward calls of {args.profile} (own time first):")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 def main() -> None:
@@ -103,7 +169,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--backends", default="torch,fused")
     parser.add_argument("--ops", action="store_true", help="host cost per op instead of the step profile")
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="--ops: comma-separated subset of the ops (default: all)")
+    parser.add_argument("--profile", default="", metavar="OP", help="--ops: also cProfile this op's forward + backward")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.ops:

@@ -37,10 +37,19 @@ def _int_key(value: int) -> tuple[bool, bool, int]:
     return value == 1, value & 15 == 0, width
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
 def _current_raw_stream(device: int) -> int:
     """The current CUDA stream's handle (torch's C entry point: a ``torch.cuda.Stream`` object costs more)."""
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return getter(device) if getter is not None else torch.cuda.current_stream(device).cuda_stream
+    return _RAW_STREAM(device) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def _current_device() -> int:
+    """The current CUDA device's index; torch's C entry point (``torch.cuda.current_device`` adds a Python
+    lazy-init check, and CUDA is initialised by the time a launch has CUDA tensors to pass)."""
+    return _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
 
 
 class FastLauncher:
@@ -54,13 +63,16 @@ class FastLauncher:
     launcher on the current stream.
 
     Falls back to the plain Triton launch under the interpreter, when a launch hook is installed (a
-    profiler such as proton must see every launch), when the tensors are not on the current device,
+    profiler such as proton must see every launch), when the first tensor is not on the current device
+    (the callers have checked that all their tensors share one device, so the first one stands for all),
     and for arguments of any other kind. The cached path needs every run-time argument positional and
     every constexpr by keyword (kernels list their run-time parameters first); a call of another form
     works but takes the plain launch every time (``tests/test_common.py`` checks each family's calls).
     The loop below runs for every argument of every launch: it dispatches on exact types and inlines
     :func:`_int_key`, because a Python function call per argument cost ~20 us per attention launch on
-    the H200 host (``scripts/profile_attention_host.py``).
+    the H200 host (``scripts/profile_attention_host.py``). Compiled kernels without scratch memory are
+    launched through Triton's C launcher itself, skipping the Python wrapper around it (``CudaLauncher``
+    in Triton's NVIDIA driver), which only allocates scratch memory.
     """
 
     def __init__(self, kernel):
@@ -74,14 +86,19 @@ class FastLauncher:
     def _launch(self, grid, *args, **kwargs):
         if callable(grid) or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
             return self.kernel[grid](*args, **kwargs)
-        device = torch.cuda.current_device()
+        device = _current_device()
         key = [device]
         values = []
+        device_checked = False
         for arg in args:
             kind = type(arg)
             if kind is int:
-                key.append((arg == 1, arg & 15 == 0,
-                            0 if _I32_MIN <= arg <= _I32_MAX else (2 if arg >= _U64_MIN else 1)))
+                # flat entries, no tuple per argument (the key is built and hashed on every launch): an i32 is
+                # 2 (equal to 1), True (divisible by 16) or False; a wider int a (divisible, width) pair
+                if _I32_MIN <= arg <= _I32_MAX:
+                    key.append(2 if arg == 1 else arg & 15 == 0)
+                else:
+                    key.append((arg & 15 == 0, 2 if arg >= _U64_MIN else 1))
                 values.append(arg)
             elif kind is float or kind is bool:
                 key.append(kind)
@@ -90,10 +107,13 @@ class FastLauncher:
                 key.append(None)
                 values.append(None)
             elif isinstance(arg, torch.Tensor):
-                if arg.device.index != device:
-                    return self.kernel[grid](*args, **kwargs)
+                if not device_checked:
+                    if arg.device.index != device:
+                        return self.kernel[grid](*args, **kwargs)
+                    device_checked = True
                 address = arg.data_ptr()
-                key.append((arg.dtype, address & 15 == 0))
+                key.append(arg.dtype)  # a dtype entry is always followed by the alignment flag
+                key.append(address & 15 == 0)
                 values.append(address)
             elif isinstance(arg, int) and not isinstance(arg, bool):  # an int subclass
                 key.append(_int_key(arg))
@@ -107,9 +127,9 @@ class FastLauncher:
             compiled = self.kernel[grid](*args, **kwargs)
             self._remember(key, compiled, len(args), kwargs)
             return compiled
-        run, function, metadata, tail = entry
+        launch, function, leading, tail = entry
         g0, g1, g2 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
-        run(g0, g1, g2, _current_raw_stream(device), function, metadata, None, None, None, *values, *tail)
+        launch(g0, g1, g2, _current_raw_stream(device), function, *leading, *values, *tail)
         return None
 
     def _remember(self, key, compiled, n_positional: int, kwargs: dict) -> None:
@@ -128,7 +148,18 @@ class FastLauncher:
             else:
                 return
         compiled._init_handles()
-        self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(tail))
+        # After (grid, stream, function): Triton's C launcher takes the cooperative-grid and PDL flags, the
+        # scratch buffers, then what the Python wrapper takes (metadata, launch metadata, the enter and exit
+        # hooks: None, none installed here). Kernels that need scratch memory keep the wrapper.
+        runner = compiled.run
+        direct = (getattr(runner, "global_scratch_size", None) == 0
+                  and getattr(runner, "profile_scratch_size", None) == 0 and hasattr(runner, "launch"))
+        hooks = (compiled.packed_metadata, None, None, None)
+        if direct:
+            entry = (runner.launch, (runner.launch_cooperative_grid, runner.launch_pdl, None, None, *hooks))
+        else:
+            entry = (runner, hooks)
+        self._compiled[key] = (entry[0], compiled.function, entry[1], tuple(tail))
 
 
 @functools.cache

@@ -85,6 +85,11 @@ def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
+def _shaped(t: torch.Tensor | None, shape) -> torch.Tensor | None:
+    """``t`` in ``shape``: itself when it has it already (a reshape is a view op: a few us of host time)."""
+    return t if t is None or t.shape == shape else t.reshape(shape)
+
+
 def _or_unused(t: torch.Tensor | None, like: torch.Tensor, traceable: bool):
     """``t``, or a placeholder for an argument a compile-time branch never reads (see ``unused_pointer``)."""
     return t if t is not None else unused_pointer(like, traceable)
@@ -432,9 +437,8 @@ class _AddDropoutNormFunction(torch.autograd.Function):
             dy, dresidual_out, residual_out, w, mean, rstd, eps, is_rms, need_db, deterministic, dropout_p, seed,
             x_dtype, has_residual, grad_dtypes=ctx.grad_dtypes)
         x_shape, w_shape, b_shape = ctx.shapes
-        return (dx.reshape(x_shape), None if dresidual is None else dresidual.reshape(x_shape),
-                None if w is None else dw.reshape(w_shape), db.reshape(b_shape) if need_db else None,
-                None, None, None, None, None, None, None)
+        return (_shaped(dx, x_shape), _shaped(dresidual, x_shape), None if w is None else _shaped(dw, w_shape),
+                _shaped(db, b_shape) if need_db else None, None, None, None, None, None, None, None)
 
 
 @triton_op(f"{LIBRARY_NAMESPACE}::add_dropout_norm_fwd", mutates_args=())
