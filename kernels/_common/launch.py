@@ -156,12 +156,10 @@ class FastLauncher:
         runner = compiled.run
         direct = (getattr(runner, "global_scratch_size", None) == 0
                   and getattr(runner, "profile_scratch_size", None) == 0 and hasattr(runner, "launch"))
-        hooks = (compiled.packed_metadata, None, None, None)
+        launch, leading = runner, (compiled.packed_metadata, None, None, None)
         if direct:
-            entry = (runner.launch, (runner.launch_cooperative_grid, runner.launch_pdl, None, None, *hooks))
-        else:
-            entry = (runner, hooks)
-        self._compiled[key] = (entry[0], compiled.function, entry[1], tuple(tail))
+            launch, leading = runner.launch, (runner.launch_cooperative_grid, runner.launch_pdl, None, None, *leading)
+        self._compiled[key] = (launch, compiled.function, leading, tuple(tail))
 
 
 @functools.cache
