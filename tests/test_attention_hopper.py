@@ -1,9 +1,9 @@
-"""The attention kernel paths: which calls take the Hopper forward (``kernels/attention/_hopper.py``), how a
-caller forces either path, and that on an sm_90 GPU both paths give the same attention, no worse
-than torch's own in the input dtype.
+"""The attention kernel paths: which calls take the Hopper forward (``kernels/attention/_hopper.py``) and backward
+(``kernels/attention/_hopper_bwd.py``), how a caller forces either path, and that on an sm_90 GPU both paths give the
+same attention and gradients, no worse than torch's own in the input dtype.
 
 The rest of the attention tests run on whichever path a call takes: ``FUSED_KERNELS_ATTENTION_PATH=hopper`` runs
-every call the Hopper forward supports on it, ``portable`` none."""
+every call the Hopper kernels support on them, ``portable`` none."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import reference.attention as twin
 from kernels._mode import DEVICE, INTERPRETER
 from kernels.attention import configs, flash_attention, flash_attention_varlen, ops
 from tests._numerics import assert_no_worse_than_torch
-from tests.test_attention import _low_precision_attention
+from tests.test_attention import _grads, _low_precision_attention
 
 ON_HOPPER = not INTERPRETER and torch.cuda.is_available() and configs.is_hopper(torch.device("cuda"))
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU (H100, H200)")
@@ -49,6 +49,7 @@ def test_cpu_tensors_never_take_the_hopper_path():
     q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
     assert not configs.is_hopper(q.device)
     assert not ops.uses_hopper_forward(q, q, q)
+    assert not ops.uses_hopper_backward(q, q, q, q)
 
 
 def _qkv(b, hq, hkv, sq, sk, d, dtype, layout="bhsd", seed=0):
@@ -102,16 +103,47 @@ def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(ca
 
 @pytest.mark.cuda
 @needs_hopper
-def test_hopper_forward_gradients_flow_through_the_portable_backward():
-    q, k, v = (t.requires_grad_(True) for t in _qkv(1, 4, 2, 333, 333, 128, torch.bfloat16))
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=str)
+def test_hopper_backward_equals_the_portable_backward_and_is_no_worse_than_torch(case):
+    *dims, causal, window, dtype, layout = case
+    q, k, v = _qkv(*dims, dtype, layout)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    kw = {"causal": causal, "window_size": window}
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_backward(q, k, v, do)
+        hopper = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+    with configs.forced_path("portable"):
+        assert not ops.uses_hopper_backward(q, k, v, do)
+        portable = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+    peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, causal, window), q, k, v, do)
+    reference = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q.double(), k.double(), v.double(), do.double())
+    for name, got, port, p, r in zip(("o", "dq", "dk", "dv"), hopper, portable, peer, reference, strict=True):
+        assert got.dtype == dtype and got.shape == r.shape, name
+        assert_no_worse_than_torch(name, got, p, r, atol=ATOL[dtype])
+        assert_no_worse_than_torch(f"{name} (portable)", port, p, r, atol=ATOL[dtype])
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_deterministic_takes_the_portable_backward_and_repeats_bitwise():
+    q, k, v = _qkv(2, 8, 2, 1000, 1000, 128, torch.bfloat16)
     do = torch.randn_like(q)
     with configs.forced_path("hopper"):
-        assert ops.uses_hopper_forward(q, k, v)
-        grads = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
-    with configs.forced_path("portable"):
-        expected = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
-    for got, want in zip(grads, expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+        assert not ops.uses_hopper_backward(q, k, v, do, deterministic=True)
+        first, second = (_grads(lambda a, b, c: flash_attention(a, b, c, causal=True, deterministic=True), q, k, v, do)
+                         for _ in range(2))
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_auto_path_keeps_the_portable_backward():
+    q, k, v = _qkv(2, 16, 16, 2048, 2048, 128, torch.bfloat16)
+    with configs.forced_path("auto"):
+        assert not ops.uses_hopper_backward(q, k, v, q)
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_backward(q, k, v, q)
 
 
 def test_auto_takes_the_hopper_forward_at_head_dim_128_on_grids_of_two_programs_per_sm():
@@ -136,7 +168,7 @@ def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():
 @pytest.mark.cuda
 @needs_hopper
 @pytest.mark.parametrize("why", ["dropout", "fp32", "packed", "unaligned stride", "head dim 256", "portable path"])
-def test_calls_the_hopper_forward_does_not_take_run_the_portable_kernel(why):
+def test_calls_the_hopper_kernels_do_not_take_run_the_portable_kernels(why):
     dtype = torch.float32 if why == "fp32" else torch.bfloat16
     d = {"unaligned stride": 36, "head dim 256": 256}.get(why, 64)  # 36: a 72-byte row stride, which TMA cannot take
     q, k, v = _qkv(1, 2, 2, 100, 100, d, dtype)
@@ -144,6 +176,7 @@ def test_calls_the_hopper_forward_does_not_take_run_the_portable_kernel(why):
         packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
         cu = torch.tensor([0, 60, 100], device=DEVICE, dtype=torch.int32)
         assert not ops.uses_hopper_forward(*packed, varlen=(cu, cu, 60, 60))
+        assert not ops.uses_hopper_backward(*packed, packed[0], varlen=(cu, cu, 60, 60))
         o = flash_attention_varlen(*packed, cu, cu, 60, 60, causal=True)
         with configs.forced_path("portable"):
             first = flash_attention(*(t[:60].transpose(0, 1)[None] for t in packed), causal=True)
@@ -153,6 +186,7 @@ def test_calls_the_hopper_forward_does_not_take_run_the_portable_kernel(why):
     path = "portable" if why == "portable path" else "hopper"
     with configs.forced_path(path):
         assert not ops.uses_hopper_forward(q, k, v, dropout_p)
+        assert not ops.uses_hopper_backward(q, k, v, q, dropout_p)
         o = flash_attention(q, k, v, causal=True, dropout_p=dropout_p, seed=5)
     assert torch.isfinite(o).all()
     if dropout_p == 0.0:

@@ -301,6 +301,30 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _query_range(n0, Sq, lo_shift, hi_shift, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks the key block [n0, n0 + BLOCK_N) must visit: ``[start, end)``, of which ``[full_lo, full_hi)``
+    see all of its keys and need no band mask. Query i sees key j iff ``i + lo_shift <= j <= i + hi_shift``;
+    query blocks wholly outside that band for this key block are skipped."""
+    if HAS_RIGHT:
+        start = tl.maximum(n0 - hi_shift, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - hi_shift, 0), BLOCK_M) * BLOCK_M
+    else:
+        start = 0
+        full_lo = 0
+    if HAS_LEFT:
+        end = tl.minimum(tl.maximum(n0 + BLOCK_N - lo_shift, 0), Sq)
+        full_hi = tl.maximum(n0 - lo_shift + 1, 0) // BLOCK_M * BLOCK_M
+    else:
+        end = Sq
+        full_hi = Sq
+    start = tl.minimum(start, end)
+    full_lo = tl.minimum(tl.maximum(full_lo, start), end)
+    full_hi = tl.maximum(tl.minimum(full_hi, end), full_lo)
+    return start, full_lo, full_hi, end
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_qd, stride_dos, stride_dod, start, end,
     offs_m, keys, offs_d, Sq, D, lo_shift, hi_shift, scale_log2,
@@ -367,23 +391,7 @@ def _attn_bwd_dkdv_program(
     diag = Sk - Sq
     lo_shift = diag - LEFT
     hi_shift = diag + RIGHT
-    # Query i sees key j iff i + lo_shift <= j <= i + hi_shift. Query blocks wholly outside that band for
-    # this key block are skipped; those wholly inside it run without a mask.
-    if HAS_RIGHT:
-        start_m = tl.maximum(n0 - hi_shift, 0) // BLOCK_M * BLOCK_M
-        full_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - hi_shift, 0), BLOCK_M) * BLOCK_M
-    else:
-        start_m = 0
-        full_lo = 0
-    if HAS_LEFT:
-        end_m = tl.minimum(tl.maximum(n0 + BLOCK_N - lo_shift, 0), Sq)
-        full_hi = tl.maximum(n0 - lo_shift + 1, 0) // BLOCK_M * BLOCK_M
-    else:
-        end_m = Sq
-        full_hi = Sq
-    start_m = tl.minimum(start_m, end_m)
-    full_lo = tl.minimum(tl.maximum(full_lo, start_m), end_m)
-    full_hi = tl.maximum(tl.minimum(full_hi, end_m), full_lo)
+    start_m, full_lo, full_hi, end_m = _query_range(n0, Sq, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_base = _head_base(q_ptr, b, h, stride_qb, stride_qh, q_start, stride_qs)

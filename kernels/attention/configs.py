@@ -130,8 +130,9 @@ ROWS: tuple[Row, ...] = (
         (_WIDE, (16, 16, 8, 1), "fp32, D > 256: small blocks so the tiles fit shared memory"))),
 )
 
-#: Which kernels run on a GPU: ``auto`` (default) takes the Hopper kernels (``kernels/attention/_hopper.py``)
-#: on sm_90 for the calls they support and measured faster on (:func:`prefers_hopper_forward`), ``hopper``
+#: Which kernels run on a GPU: ``auto`` (default) takes the Hopper kernels (``kernels/attention/_hopper.py``,
+#: ``_hopper_bwd.py``) on sm_90 for the calls they support and measured faster on (:func:`prefers_hopper_forward`,
+#: :func:`prefers_hopper_backward`), ``hopper``
 #: for every call they support, ``portable`` never. Read at each call, so a test or a tool can set it with
 #: ``forced_path``.
 PATH_ENV = "FUSED_KERNELS_ATTENTION_PATH"
@@ -154,6 +155,22 @@ HOPPER_FORWARD: dict[int, HopperForwardTile] = {
 }
 
 
+class HopperBackwardTile(NamedTuple):
+    stages: int  # Q/dO shared-memory ring slots (the key tile is 128 rows: two 64-row consumer warpgroups)
+    split_dq: bool  # each consumer computes half of dQ's columns over all 128 keys (else all columns, its 64 keys)
+    consumer_regs: int  # registers per thread of each consumer warpgroup (setmaxnreg)
+    producer_regs: int  # of the TMA producer warpgroup
+    maxnreg: int  # the kernel's register cap, from which the default partition's share follows
+
+
+#: Hopper backward tiles by padded head dim: dK and dV (64 x D fp32 per warpgroup), S^T and dP^T (64 x 64) and
+#: a dQ part must fit in 240 registers; K, V (128 x D), the Q/dO ring and dS^T in 227 KiB of shared memory.
+HOPPER_BACKWARD: dict[int, HopperBackwardTile] = {
+    64: HopperBackwardTile(2, True, 240, 24, 168),
+    128: HopperBackwardTile(2, True, 240, 24, 168),
+}
+
+
 #: ``auto`` takes the Hopper forward from this many programs per SM on. Below it the portable kernel's
 #: 64-row query blocks are steadier or faster (H100, bf16, D 128: Sq 512, Sk 8192 with 128 programs on 132
 #: SMs ran at 396-588 TFLOP/s from one measurement to the next against a steady 465-471; with 64 programs
@@ -168,6 +185,13 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int) -> bool:
     215 vs 251): the Hopper kernel's 168 registers per thread leave room for one program per SM, and a
     short program's prologue and epilogue then run alone."""
     return block_d == 128 and programs >= HOPPER_MIN_PROGRAMS_PER_SM * sms
+
+
+def prefers_hopper_backward() -> bool:
+    """Whether ``auto`` runs a supported backward call on the Hopper kernel: never yet. On an H100 (bf16, 3
+    interleaved rounds) it ran at 0.90-1.02x the portable backward at head dim 128 and 0.91-0.97x at 64 (S 2048-8192),
+    and 0.51x at B 8, S 1024, D 64, causal; the ``hopper`` path still forces it."""
+    return False
 
 
 def path() -> str:

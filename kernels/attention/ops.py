@@ -43,7 +43,7 @@ from kernels._common.seed import (
     seed_pointer,
     seed_value,
 )
-from kernels.attention import _hopper, configs
+from kernels.attention import _hopper, _hopper_bwd, configs
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
     _attn_bwd_preprocess_kernel,
@@ -182,6 +182,40 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     )
 
 
+def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout_p: float = 0.0,
+                         varlen=None, deterministic: bool = False) -> bool:
+    """Whether a backward call on these tensors runs the Hopper kernel (``kernels/attention/_hopper_bwd.py``) rather
+    than the portable one: sm_90, fp16/bf16, dense batches, no dropout, head dims with a Hopper tile, tensors TMA can
+    read in place, and ``deterministic`` False (the Hopper kernel adds dQ up with atomics); of those calls the
+    ``hopper`` path takes all and ``auto`` none (``configs.prefers_hopper_backward``)."""
+    path = configs.path()
+    if path == "portable" or (path == "auto" and not configs.prefers_hopper_backward()) or deterministic:
+        return False
+    if varlen is not None or dropout_p != 0.0 or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
+        return False
+    if configs.block_d(q.shape[-1]) not in configs.HOPPER_BACKWARD or not configs.is_hopper(q.device):
+        return False
+    return all(_tma_ready(t) for t in (q, k, v, do))
+
+
+def _launch_bwd_hopper(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scale: float):
+    """The Hopper backward: dK, dV written in place; dQ summed into an fp32 accumulator, then scaled into ``dq``."""
+    b, hq, hkv, sq, sk, d = _dims(q, k, None)
+    bd = configs.block_d(d)
+    t = configs.HOPPER_BACKWARD[bd]
+    dq_acc = torch.zeros((b, hq, sq, bd), device=q.device, dtype=torch.float32)
+    block = (1, 1, _hopper_bwd.QUERY_ROWS, bd)
+    band, band_flags = _band(left, right)
+    grid = (cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv)
+    _hopper_bwd._attn_bwd_hopper_kernel[grid](
+        _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), _descriptor(do, block),
+        _descriptor(dk, block), _descriptor(dv, block), dq_acc, lse, delta, lse.stride(0), lse.stride(1),
+        hq, hkv, hq // hkv, sq, sk, scale, *band, **band_flags, BLOCK_D=bd, STAGES=t.stages, SPLIT_DQ=t.split_dq,
+        CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs, num_warps=4, maxnreg=t.maxnreg,
+    )
+    dq.copy_(dq_acc[..., :d].mul_(scale))
+
+
 def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False):
     b, hq, _, sq, _, d = _dims(o, o, varlen)
     block_d = configs.block_d(d)
@@ -260,7 +294,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
 
 
 def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0,
-              varlen=None, *, traceable=False):
+              varlen=None, *, traceable=False, deterministic=False):
     """``(dq, dk, dv)``, laid out as q, k, v (contiguous)."""
     b, _, _, _, _, d = _dims(q, k, varlen)
     too_wide_for_fp32 = q.dtype == torch.float32 and configs.block_d(d) > configs.FP32_MAX_KERNEL_BWD_DIM
@@ -273,6 +307,9 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
     _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
+    if not traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic):
+        _launch_bwd_hopper(do, q, k, v, lse, delta, dq, dk, dv, left, right, scale)
+        return dq, dk, dv
     drop = _dropout_args(dropout_p, seed)
     sq = _dims(q, k, varlen)[3]
     dkdv_cfg, dq_cfg = (configs.launch_config(kernel, d, q.dtype, left, right, sq) for kernel in ("dkdv", "dq"))
@@ -293,24 +330,24 @@ def _varlen(cu_q, cu_k, max_sq: int, max_sk: int):
 
 class _FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd: saves q, k, v, o and the fp32 log-sum-exp (O(B·H·S) extra memory). ``args``:
-    ``(left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``,
+    ``(left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic)``,
     the cumulative lengths None for dense batches."""
 
     @staticmethod
     def forward(ctx, q, k, v, *args):
-        *band_drop, cu_q, cu_k, max_sq, max_sk = args
+        *band_drop, cu_q, cu_k, max_sq, max_sk, deterministic = args
         varlen = _varlen(cu_q, cu_k, max_sq, max_sk)
         o, lse = _fwd_impl(q, k, v, *band_drop, varlen)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args, ctx.varlen = tuple(band_drop), varlen
+        ctx.args, ctx.varlen, ctx.deterministic = tuple(band_drop), varlen, deterministic
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, *ctx.args, ctx.varlen)
-        return dq, dk, dv, *([None] * 9)
+        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, *ctx.args, ctx.varlen, deterministic=ctx.deterministic)
+        return dq, dk, dv, *([None] * 10)
 
 
 @triton_op(f"{LIBRARY_NAMESPACE}::flash_attn_fwd", mutates_args=())
@@ -357,8 +394,9 @@ def _backward(ctx, do, _dlse):
 flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max_sq=0, max_sk=0):
-    args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk)
+def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max_sq=0, max_sk=0,
+         deterministic=False):
+    args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk, deterministic)
     if torch.compiler.is_compiling():
         return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, left, right, scale, dropout_p, *op_seed_args(seed),
                                                       cu_q, cu_k, max_sq, max_sk)
@@ -450,12 +488,14 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
 
     Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA's are.
 
-    The backward is deterministic in every mode (``deterministic`` is accepted for API compatibility).
-
     On sm_90 GPUs an eager forward that :func:`uses_hopper_forward` names runs the Hopper kernel
-    (``kernels/attention/_hopper.py``); the environment variable ``FUSED_KERNELS_ATTENTION_PATH``
-    (``auto``, ``hopper``, ``portable``) overrides the choice. Both paths compute the same attention to
-    rounding.
+    (``kernels/attention/_hopper.py``), and an eager backward that :func:`uses_hopper_backward` names the Hopper
+    backward (``kernels/attention/_hopper_bwd.py``); the environment variable ``FUSED_KERNELS_ATTENTION_PATH``
+    (``auto``, ``hopper``, ``portable``) overrides the choice. Both paths compute the same attention to rounding.
+
+    The Hopper backward adds dQ up with fp32 atomics, so its dQ can differ in the last bits from run to run;
+    ``deterministic=True`` takes the portable backward, which is bitwise reproducible (as are dK and dV, and
+    every gradient on other GPUs and under torch.compile).
     """
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)
@@ -463,7 +503,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     left, right = _window(window_size, bool(causal))
     dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
     scale = _scale(softmax_scale, q.shape[3])
-    o, lse = _run(q, k, v, left, right, scale, dropout_p, seed)
+    o, lse = _run(q, k, v, left, right, scale, dropout_p, seed, deterministic=bool(deterministic))
     return (o, lse) if return_lse else o
 
 
