@@ -12,10 +12,11 @@ Schedule (one program = 128 keys of one (batch, key/value head)):
   and the block's log-sum-exp (base 2) and ``delta`` beside them: loaded by the consumers from global memory, their
   latency sat twice per step on the critical path (1.36-1.52x slower at D 128 on an H100).
 - two **consumer** warpgroups own 64 keys each and accumulate their dK and dV in registers. Per query block, in the
-  transposed frame (keys are the wgmma M): ``S^T = K Q^T`` and ``dP^T = V dO^T`` are issued together;
-  ``P^T = exp2(S^T * scale * log2 e - lse * log2 e)``, ``dS^T = P^T (dP^T - delta)``; then ``dV += P^T dO`` and
-  ``dK += dS^T Q`` with P^T and dS^T as register operands, and ``dQ_part = dS K`` with dS^T stored to shared memory
-  and read transposed. That is 5 matmuls per tile pair, against 7 for the portable backward, which recomputes
+  transposed frame (keys are the wgmma M): ``S^T = K Q^T``, then ``P^T = exp2(S^T * scale * log2 e - lse * log2 e)``;
+  ``dP^T = V dO^T`` and ``dV += P^T dO`` are issued together (P^T as a register operand), then
+  ``dS^T = P^T (dP^T - delta)`` and ``dK += dS^T Q``, and ``dQ_part = dS K`` with dS^T stored to shared memory and
+  read transposed. S^T retires before dP^T is issued so that the two 64 x 64 fp32 tiles are not live at once beside
+  dK and dV (ptxas serialised the wgmmas for want of registers when they were). That is 5 matmuls per tile pair, against 7 for the portable backward, which recomputes
   Q K^T and dO V^T in separate dQ programs.
 - dQ: with ``SPLIT_DQ`` both consumers store their dS^T into one double-buffered tile (an mbarrier says both
   halves are in) and each computes half of dQ's columns over all 128 keys; without it, each consumer all columns over
