@@ -16,8 +16,8 @@ Schedule (one program = 128 keys of one (batch, key/value head)):
   ``dP^T = V dO^T`` and ``dV += P^T dO`` are issued together (P^T as a register operand), then
   ``dS^T = P^T (dP^T - delta)`` and ``dK += dS^T Q``, and ``dQ_part = dS K`` with dS^T stored to shared memory and
   read transposed. S^T retires before dP^T is issued so that the two 64 x 64 fp32 tiles are not live at once beside
-  dK and dV (ptxas serialised the wgmmas for want of registers when they were). That is 5 matmuls per tile pair, against 7 for the portable backward, which recomputes
-  Q K^T and dO V^T in separate dQ programs.
+  dK and dV (ptxas serialised the wgmmas for want of registers when they were). That is 5 matmuls per tile pair,
+  against 7 for the portable backward, which recomputes Q K^T and dO V^T in separate dQ programs.
 - dQ: with ``SPLIT_DQ`` both consumers store their dS^T into one double-buffered tile (an mbarrier says both
   halves are in) and each computes half of dQ's columns over all 128 keys; without it, each consumer all columns over
   its own 64 keys (1.16-1.52x slower: twice the atomics, and 64 more fp32 registers at D 128). The part is added
