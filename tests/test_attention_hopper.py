@@ -193,3 +193,31 @@ def test_calls_the_hopper_kernels_do_not_take_run_the_portable_kernels(why):
         reference = twin.attention(q.double(), k.double(), v.double(), causal=True)
         peer = _low_precision_attention(q, k, v, True, (-1, -1))
         assert_no_worse_than_torch("o", o, peer, reference, atol=2e-5 if dtype == torch.float32 else 1.6e-2)
+
+
+def test_the_backward_preprocess_zeroes_the_hopper_dq_accumulator():
+    """The Hopper backward adds dQ into an fp32 accumulator that the preprocess kernel zeroes beside ``delta``
+    (rows past Sq stay as they were: there are none, the accumulator has Sq rows)."""
+    o, do = (torch.randn(2, 3, 70, 40, generator=torch.Generator().manual_seed(s)).to(DEVICE, torch.float16)
+             for s in (1, 2))
+    delta = torch.empty(2, 3, 70, device=DEVICE)
+    acc = torch.full((2, 3, 70, 64), float("nan"), device=DEVICE)
+    ops._launch_bwd_preprocess(o, do, delta, dq_acc=acc)
+    torch.testing.assert_close(delta, (o.float() * do.float()).sum(-1), rtol=1e-4, atol=1e-4)
+    assert torch.equal(acc, torch.zeros_like(acc))
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_hopper_launches_take_the_cached_path():
+    """The Gluon kernels' launches, with their TMA arguments, are cached by the family's launcher like every other
+    launch (Triton's own launch of a Gluon kernel cost ~100 us more host time per call on an H100 host)."""
+    from kernels._common.launch import _fast_launcher
+    from kernels.attention import _hopper, _hopper_bwd
+
+    q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with configs.forced_path("hopper"):
+        for _ in range(2):
+            flash_attention(q, k, v, causal=True).sum().backward()
+    for kernel in (_hopper._attn_fwd_hopper_kernel, _hopper_bwd._attn_bwd_hopper_kernel):
+        assert _fast_launcher(kernel)._compiled, kernel.__name__

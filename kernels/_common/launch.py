@@ -11,7 +11,7 @@ host time per launch on an H200 host (binding and specialising the arguments, bu
 string, launch-hook metadata, and a ``cuPointerGetAttribute`` driver call per tensor argument), several
 times the memory time of a LayerNorm at M = 4096. The launcher keys its own cache of compiled kernels on
 exactly what Triton specialises on and calls the compiled launcher directly (LayerNorm README, "Host
-path").
+path"). Gluon kernels take their TMA arguments as :class:`TmaTensor` through the same launcher.
 """
 
 from __future__ import annotations
@@ -52,6 +52,36 @@ def _current_device() -> int:
     return _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
 
 
+class TmaTensor:
+    """A tensor that a Gluon kernel reads and writes through a TMA descriptor moving ``block_shape`` tiles: the
+    argument our launchers pass where the kernel takes a ``TensorDescriptor``. It carries what Triton's launcher
+    reads from a descriptor (base, shape, strides, padding) without the descriptor's per-call validation, and
+    :class:`FastLauncher` keys it on what the kernel specialises on (dtype, block shape, shared layout). Every
+    caller has checked the TMA rules already (16-byte aligned base and strides, contiguous last dim)."""
+
+    __slots__ = ("base", "block_shape", "layout", "padding", "shape", "strides")
+
+    def __init__(self, base: torch.Tensor, block_shape: tuple[int, ...], layout):
+        self.base = base
+        self.shape = base.shape
+        self.strides = base.stride()
+        self.block_shape = tuple(block_shape)
+        self.layout = layout
+        self.padding = "zero"
+
+    def descriptor(self):
+        """The Gluon ``TensorDescriptor`` of the same tensor and tile, for Triton's own launch."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape), self.layout)
+
+
+def _plain_launch(kernel, grid, args, kwargs):
+    """Triton's own ``kernel[grid](...)``, with each :class:`TmaTensor` made a descriptor."""
+    args = [arg.descriptor() if type(arg) is TmaTensor else arg for arg in args]
+    return kernel[grid](*args, **kwargs)
+
+
 class FastLauncher:
     """``launcher[grid](*args, **constexprs)`` for one ``@triton.jit`` kernel, same call as the kernel's.
 
@@ -87,7 +117,7 @@ class FastLauncher:
 
     def _launch(self, grid, *args, **kwargs):
         if callable(grid) or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
-            return self.kernel[grid](*args, **kwargs)
+            return _plain_launch(self.kernel, grid, args, kwargs)
         device = _current_device()
         key = [device]
         values = []
@@ -111,22 +141,31 @@ class FastLauncher:
             elif isinstance(arg, torch.Tensor):
                 if not device_checked:
                     if arg.device.index != device:
-                        return self.kernel[grid](*args, **kwargs)
+                        return _plain_launch(self.kernel, grid, args, kwargs)
                     device_checked = True
                 address = arg.data_ptr()
                 key.append(arg.dtype)  # a dtype entry is always followed by the alignment flag
                 key.append(address & 15 == 0)
                 values.append(address)
+            elif kind is TmaTensor:
+                if not device_checked:
+                    if arg.base.device.index != device:
+                        return _plain_launch(self.kernel, grid, args, kwargs)
+                    device_checked = True
+                key.append(arg.base.dtype)
+                key.append(arg.block_shape)
+                key.append(arg.layout)
+                values.append(arg)  # Triton's launcher wrapper encodes the tensor map from it on every launch
             elif isinstance(arg, int) and not isinstance(arg, bool):  # an int subclass
                 key.append(_int_key(arg))
                 values.append(int(arg))
             else:
-                return self.kernel[grid](*args, **kwargs)
+                return _plain_launch(self.kernel, grid, args, kwargs)
         key.append(tuple(kwargs.items()))
         key = tuple(key)
         entry = self._compiled.get(key)
         if entry is None:
-            compiled = self.kernel[grid](*args, **kwargs)
+            compiled = _plain_launch(self.kernel, grid, args, kwargs)
             self._remember(key, compiled, len(args), kwargs)
             return compiled
         launch, function, leading, tail = entry
@@ -172,12 +211,24 @@ def _fast_launcher(kernel) -> FastLauncher:
 PLAIN_LAUNCH = os.environ.get("FUSED_KERNELS_PLAIN_LAUNCH", "0") == "1"
 
 
+class _PlainLauncher:
+    """``launcher[grid](...)`` through Triton's own launch (``PLAIN_LAUNCH``), :class:`TmaTensor` arguments included."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _plain_launch(self.kernel, grid, args, kwargs)
+
+
 def kernel_for(kernel, *, traceable: bool):
     """``wrap_triton(kernel)`` inside a registered op (torch.compile traces it); for eager launches a
     :class:`FastLauncher` on GPU, the kernel itself under the interpreter."""
     if traceable:
         return wrap_triton(kernel)
-    return kernel if INTERPRETER or PLAIN_LAUNCH else _fast_launcher(kernel)
+    if INTERPRETER:
+        return kernel
+    return _PlainLauncher(kernel) if PLAIN_LAUNCH else _fast_launcher(kernel)
 
 
 @contextlib.contextmanager

@@ -41,11 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.attention import _kernels as _portable
 
-__all__ = ["QUERY_ROWS", "TensorDescriptor", "_attn_fwd_hopper_kernel", "gl"]
+__all__ = ["QUERY_ROWS", "_attn_fwd_hopper_kernel", "gl"]
 
 #: query rows per program: two consumer warpgroups of 64 rows (the wgmma M of one warpgroup)
 QUERY_ROWS = 128

@@ -21,24 +21,24 @@ Schedule (one program = 128 keys of one (batch, key/value head)):
 - dQ: with ``SPLIT_DQ`` both consumers store their dS^T into one double-buffered tile (an mbarrier says both
   halves are in) and each computes half of dQ's columns over all 128 keys; without it, each consumer all columns over
   its own 64 keys (1.16-1.52x slower: twice the atomics, and 64 more fp32 registers at D 128). The part is added
-  into an fp32 accumulator by atomics from the wgmma accumulator's layout (``atom.global.add.v2.f32`` in the PTX);
-  a last pass scales it and casts it to dQ.
+  scaled, into an fp32 accumulator by atomics from the wgmma accumulator's layout (``atom.global.add.v2.f32`` in the
+  PTX); the portable preprocess kernel zeroed the accumulator beside ``delta``, and one cast makes it dQ.
 - register budget: the producer gives its registers back (24 per thread), each consumer takes 240.
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place (head dim contiguous, other strides
 and the base 16-byte aligned), padded head dims 64 and 128, no dropout, no packed batches, eager calls.
 ``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
 
-Speed: on an H100 (bf16) 0.90-1.02x the portable backward at S 2048-8192 (0.76-0.84x cuDNN) and 0.51x at short
-causal programs (B 8, S 1024, D 64), so the default path does not take it (``configs.prefers_hopper_backward``).
-Each consumer waits on every wgmma it issues and the two meet at the dS barrier every step: nothing overlaps the
-softmax inside a warpgroup, which is the next lever.
+Speed: on an H100 (bf16) 0.92-1.03x the portable backward at S 1024-8192 (0.79-0.83x cuDNN), so the default path
+does not take it (``configs.prefers_hopper_backward``). Each consumer waits on every wgmma it issues and the two meet
+at the dS barrier every step: nothing overlaps the softmax inside a warpgroup. Issuing the next block's S^T behind
+dQ did not change that (0.93-1.04x, not kept).
 
 Trade-offs: dQ is a sum of fp32 atomics in arrival order, so it is not bitwise reproducible run to run
-(``deterministic=True`` takes the portable backward); the accumulator costs ``B * Hq * Sq * D * 4`` bytes and one
-zero-fill and one convert pass. Query blocks that cross a band edge, or programs whose keys run past Sk, apply the
-mask at run time per block (a uniform branch); the band is taken for the whole 128-key program, so a consumer may
-compute a block that its own 64 keys do not see (it masks to zero).
+(``deterministic=True`` takes the portable backward); the accumulator costs ``B * Hq * Sq * D * 4`` bytes, written
+once as zeros and read once by the cast. Query blocks that cross a band edge, or programs whose keys run past Sk,
+apply the mask at run time per block (a uniform branch); the band is taken for the whole 128-key program, so a
+consumer may compute a block that its own 64 keys do not see (it masks to zero).
 """
 
 from triton.experimental import gluon
@@ -197,7 +197,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, kv
         dq_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
         head = (b * Hq + h).to(gl.int64) * Sq
         dq_ptrs = dq_acc_ptr + (head + gl.expand_dims(dq_rows, 1)) * BLOCK_D + gl.expand_dims(dq_cols, 0)
-        gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(dq_rows < Sq, 1), sem="relaxed")
+        gl.atomic_add(dq_ptrs, dq * scale, mask=gl.expand_dims(dq_rows < Sq, 1), sem="relaxed")
 
     # K and V are no longer read: their shared memory stages dK and dV for the TMA stores (which clip rows past Sk)
     k_tile.store((dk * scale).to(dtype))
@@ -222,7 +222,7 @@ def _consumer_worker(q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_s
 @gluon.jit(do_not_specialize=["Sq", "Sk"])
 def _attn_bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,  # TMA descriptors over (B, H, S, D); blocks [1, 1, 64, BLOCK_D]
-    dq_acc_ptr,  # (B, Hq, Sq, BLOCK_D) fp32, zeroed: dS K summed over key blocks, unscaled
+    dq_acc_ptr,  # (B, Hq, Sq, BLOCK_D) fp32, zeroed: dS K * scale summed over key blocks
     lse_ptr, delta_ptr, stride_lb, stride_lh,  # (B, Hq, Sq) fp32, 1 along the sequence
     Hq, Hkv, GROUP, Sq, Sk, scale, LEFT, RIGHT,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,

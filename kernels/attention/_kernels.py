@@ -7,7 +7,8 @@ Implements (read beside ``reference/attention.py``, which runs the same blocks i
   RIGHT`` (causal: RIGHT = 0; each side optional): key blocks wholly outside the band are never loaded,
   so cost grows with the window, not with S^2; only blocks that cross its edges, or the end of K, pay
   for a mask.
-- ``_attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)``.
+- ``_attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)``; for the Hopper backward it also zeroes the fp32 dQ
+  accumulator that kernel adds into.
 - ``_attn_bwd_kernel``: two kinds of programs in one grid, dK/dV programs first (``DKDV``), then dQ
   programs (``DQ``); the launcher runs both kinds in one launch when their tile configs share warps and
   stages, else one launch per kind. A dK/dV program (``_attn_bwd_dkdv_program``) owns a key block of one
@@ -273,6 +274,7 @@ def _attn_fwd_kernel(
 def _attn_bwd_preprocess_kernel(
     o_ptr, do_ptr,  # (B, Hq, Sq, D), any strides
     delta_ptr,  # (B, Hq, Sq) fp32 output, laid out as the lse
+    dq_acc_ptr,  # (B, Hq, Sq, BLOCK_D) fp32, contiguous: zeroed here when ZERO_DQ_ACC (the Hopper backward's dQ sums)
     cu_seqlens_q,
     stride_lb, stride_lh,
     stride_ob, stride_oh, stride_os, stride_od,
@@ -282,6 +284,7 @@ def _attn_bwd_preprocess_kernel(
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     VARLEN: tl.constexpr,
+    ZERO_DQ_ACC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -298,6 +301,11 @@ def _attn_bwd_preprocess_kernel(
                     True, EVEN_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(_head_base(delta_ptr, b, h, stride_lb, stride_lh, q_start, 1) + offs_m, delta, mask=offs_m < Sq)
+    if ZERO_DQ_ACC:
+        # here rather than a separate fill: one launch less, and these rows' bytes are written while O and dO are read
+        rows = (pid_bh.to(tl.int64) * Sq + offs_m) * BLOCK_D
+        tl.store(dq_acc_ptr + rows[:, None] + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=(offs_m < Sq)[:, None])
 
 
 @triton.jit

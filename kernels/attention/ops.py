@@ -33,6 +33,7 @@ from kernels._common import (
     nothing_to_launch,
     unused_pointer,
 )
+from kernels._common.launch import TmaTensor
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import (
     Seed,
@@ -162,9 +163,9 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return _hopper.gl.NVMMASharedLayout.get_default_for(list(block), _GLUON_DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor, block: tuple[int, ...]):
-    """A TMA descriptor over all of ``t`` (its own shape and strides) that moves ``block`` tiles."""
-    return _hopper.TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, t.dtype))
+def _descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TmaTensor:
+    """``t`` as a Gluon kernel's TMA argument: all of it (its own shape and strides), moved in ``block`` tiles."""
+    return TmaTensor(t, block, _shared_layout(block, t.dtype))
 
 
 def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
@@ -174,7 +175,7 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     q_block, kv_block = (1, 1, _hopper.QUERY_ROWS // 2, bd), (1, 1, t.block_n, bd)
     band, band_flags = _band(left, right)
     grid = (cdiv(sq, _hopper.QUERY_ROWS), b * hq)
-    _hopper._attn_fwd_hopper_kernel[grid](
+    kernel_for(_hopper._attn_fwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block), _descriptor(o, q_block),
         lse, lse.stride(0), lse.stride(1), hq, hq // hkv, sq, sk, scale * 1.4426950408889634, *band, **band_flags,
         BLOCK_N=t.block_n, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs,
@@ -198,32 +199,34 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     return all(_tma_ready(t) for t in (q, k, v, do))
 
 
-def _launch_bwd_hopper(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scale: float):
-    """The Hopper backward: dK, dV written in place; dQ summed into an fp32 accumulator, then scaled into ``dq``."""
+def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right: int, scale: float):
+    """The Hopper backward: dK, dV written in place; dQ summed into ``dq_acc`` ((B, Hq, Sq, padded D) fp32, zeroed by
+    the preprocess kernel)."""
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
     t = configs.HOPPER_BACKWARD[bd]
-    dq_acc = torch.zeros((b, hq, sq, bd), device=q.device, dtype=torch.float32)
     block = (1, 1, _hopper_bwd.QUERY_ROWS, bd)
     band, band_flags = _band(left, right)
     grid = (cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv)
-    _hopper_bwd._attn_bwd_hopper_kernel[grid](
+    kernel_for(_hopper_bwd._attn_bwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), _descriptor(do, block),
         _descriptor(dk, block), _descriptor(dv, block), dq_acc, lse, delta, lse.stride(0), lse.stride(1),
         hq, hkv, hq // hkv, sq, sk, scale, *band, **band_flags, BLOCK_D=bd, STAGES=t.stages, SPLIT_DQ=t.split_dq,
         CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs, num_warps=4, maxnreg=t.maxnreg,
     )
-    dq.copy_(dq_acc[..., :d].mul_(scale))
 
 
-def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False):
+def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False, dq_acc=None):
+    """``delta = rowsum(dO * O)``; also zeroes ``dq_acc`` ((B, Hq, Sq, padded D) fp32, contiguous) when given."""
     b, hq, _, sq, _, d = _dims(o, o, varlen)
     block_d = configs.block_d(d)
     block_m = configs.preprocess_block_m(block_d)
     cu_q, _, stride_lb, stride_lh = _seq_args(delta, varlen, traceable)
+    zero_acc = dq_acc is not None
     kernel_for(_attn_bwd_preprocess_kernel, traceable=traceable)[(cdiv(sq, block_m), b * hq)](
-        o, do, delta, cu_q, stride_lb, stride_lh, *_strides(o), *_strides(do), hq, sq, d,
-        BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=d == block_d, VARLEN=varlen is not None,
+        o, do, delta, dq_acc if zero_acc else unused_pointer(delta, traceable), cu_q, stride_lb, stride_lh,
+        *_strides(o), *_strides(do), hq, sq, d,
+        BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=d == block_d, VARLEN=varlen is not None, ZERO_DQ_ACC=zero_acc,
     )
 
 
@@ -302,14 +305,17 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
         return _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen)
     if nothing_to_launch(q) or k.numel() == 0 or b == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
-    _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     if not traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic):
-        _launch_bwd_hopper(do, q, k, v, lse, delta, dq, dk, dv, left, right, scale)
-        return dq, dk, dv
+        dq_acc = torch.empty((b, q.shape[1], q.shape[2], configs.block_d(d)), device=q.device, dtype=torch.float32)
+        _launch_bwd_preprocess(o, do, delta, dq_acc=dq_acc)
+        _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left, right, scale)
+        # a slice of the padded accumulator is not dense: the cast lays dQ out contiguously
+        return dq_acc[..., :d].to(q.dtype), dk, dv
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     drop = _dropout_args(dropout_p, seed)
     sq = _dims(q, k, varlen)[3]
     dkdv_cfg, dq_cfg = (configs.launch_config(kernel, d, q.dtype, left, right, sq) for kernel in ("dkdv", "dq"))
