@@ -189,8 +189,8 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int) -> bool:
 
 def prefers_hopper_backward() -> bool:
     """Whether ``auto`` runs a supported backward call on the Hopper kernel: never yet. On an H100 (bf16, 3
-    interleaved rounds) it ran at 0.90-1.02x the portable backward at head dim 128 and 0.91-0.97x at 64 (S 2048-8192),
-    and 0.51x at B 8, S 1024, D 64, causal; the ``hopper`` path still forces it."""
+    interleaved rounds) it ran at 0.97-1.03x the portable backward at head dim 128 (S 2048-8192) and 0.92-0.96x at 64
+    (S 1024-4096); the ``hopper`` path still forces it."""
     return False
 
 
