@@ -196,8 +196,8 @@ def test_calls_the_hopper_kernels_do_not_take_run_the_portable_kernels(why):
 
 
 def test_the_backward_preprocess_zeroes_the_hopper_dq_accumulator():
-    """The Hopper backward adds dQ into an fp32 accumulator that the preprocess kernel zeroes beside ``delta``
-    (rows past Sq stay as they were: there are none, the accumulator has Sq rows)."""
+    """The Hopper backward adds dQ into an fp32 accumulator ((B, Hq, Sq, padded D)) that the preprocess kernel
+    zeroes beside ``delta``: every row, the padded columns too, at a length that is not a multiple of the block."""
     o, do = (torch.randn(2, 3, 70, 40, generator=torch.Generator().manual_seed(s)).to(DEVICE, torch.float16)
              for s in (1, 2))
     delta = torch.empty(2, 3, 70, device=DEVICE)

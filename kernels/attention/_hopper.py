@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.attention import _kernels as _portable
 
-__all__ = ["QUERY_ROWS", "_attn_fwd_hopper_kernel", "gl"]
+__all__ = ["QUERY_ROWS", "_attn_fwd_hopper_kernel", "gl", "register_operand", "warpgroup_accumulator"]
 
 #: query rows per program: two consumer warpgroups of 64 rows (the wgmma M of one warpgroup)
 QUERY_ROWS = 128
@@ -54,6 +54,18 @@ _LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 # The key range of a query block is the portable kernel's rule, compiled as Gluon (scalar arithmetic only).
 _key_blocks = gluon.jit(_portable._key_range.fn)
+
+
+@gluon.constexpr_function
+def warpgroup_accumulator(columns):
+    """The register layout of one warpgroup's wgmma accumulator: 64 rows by ``columns`` (both Gluon kernels)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
+
+
+@gluon.constexpr_function
+def register_operand(accumulator):
+    """The layout of a wgmma A operand held in registers (P, dS), for a product accumulating in ``accumulator``."""
+    return gl.DotOperandLayout(operand_index=0, parent=accumulator, k_width=2)
 
 
 @gluon.jit
@@ -115,11 +127,9 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
               HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = warpgroup_accumulator(BLOCK_N)
+    o_layout: gl.constexpr = warpgroup_accumulator(BLOCK_D)
+    p_layout: gl.constexpr = register_operand(o_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)

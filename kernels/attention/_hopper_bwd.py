@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.attention import _kernels as _portable
+from kernels.attention._hopper import register_operand, warpgroup_accumulator
 
 __all__ = ["KEY_ROWS", "QUERY_ROWS", "_attn_bwd_hopper_kernel"]
 
@@ -118,16 +119,13 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, lse_smem, delta_smem, kv
               STAGES: gl.constexpr, SPLIT_DQ: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     # (keys, queries) tiles: S^T, dP^T, P^T, dS^T
-    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
+    t_layout: gl.constexpr = warpgroup_accumulator(BLOCK_M)
     # (64 rows, head dim) accumulators: dK, dV (rows are keys) and dQ_part (rows are queries)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    acc_layout: gl.constexpr = warpgroup_accumulator(BLOCK_D)
+    op_layout: gl.constexpr = register_operand(acc_layout)
     DQ_COLS: gl.constexpr = BLOCK_D // 2 if SPLIT_DQ else BLOCK_D
     DQ_COL0: gl.constexpr = HALF * DQ_COLS if SPLIT_DQ else 0
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_COLS, 16])
+    dq_layout: gl.constexpr = warpgroup_accumulator(DQ_COLS)
     query_layout: gl.constexpr = gl.SliceLayout(0, t_layout)
     k_tile = k_smem.index(HALF).reshape([HALF_N, BLOCK_D])
     v_tile = v_smem.index(HALF).reshape([HALF_N, BLOCK_D])
