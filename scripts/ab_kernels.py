@@ -4,6 +4,7 @@
 
     python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
         [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward]
+        [--dropout P [--no-check]]
     python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
 
 Make the baseline first, e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py``; ``-`` as
@@ -11,9 +12,10 @@ the baseline times this checkout alone against the forced tiles. The baseline ru
 launchers and launch tables (``ops.kernels_from``), so only the jit code differs; a ``--tile`` forces one
 attention kernel's tile (``fwd``, ``dkdv`` or ``dq``) through ``configs.override``. Variants alternate within
 each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is 10-17%, a side by
-side difference is not). Each variant's outputs must match the first's. Prints TFLOP/s (attention, B * S =
-16k tokens, H * D = 2048, causal and not) or GB/s (layernorm and RMSNorm, M * N = 2^27, bf16) and the
-ratio to the first variant.
+side difference is not). Each variant's outputs must match the first's (``--no-check`` skips that, for a
+baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
+Prints TFLOP/s (attention, B * S = 16k tokens, H * D = 2048, causal and not) or GB/s (layernorm and
+RMSNorm, M * N = 2^27, bf16) and the ratio to the first variant.
 """
 
 from __future__ import annotations
@@ -60,12 +62,14 @@ def _variants(args) -> dict[str, Callable[[], contextlib.AbstractContextManager]
     return variants
 
 
-def _timed(variants, run, rounds: int, label: str) -> dict[str, float]:
+def _timed(variants, run, rounds: int, label: str, check_outputs: bool = True) -> dict[str, float]:
     first = next(iter(variants))
     with variants[first]():
         reference = [t.float() for t in run()]
 
     def check(name):
+        if not check_outputs:
+            return
         with variants[name]():
             got = run()
         for g, r in zip(got, reference, strict=True):
@@ -86,6 +90,7 @@ def _attention(args, variants) -> None:
     from kernels.attention import flash_attention
 
     dtype = getattr(torch, args.dtype)
+    drop = {"dropout_p": args.dropout, "seed": 1234} if args.dropout else {}
     for d in (int(x) for x in args.dims.split(",")):
         for s in (int(x) for x in args.lengths.split(",")):
             b, h = 16384 // s, 2048 // d
@@ -94,12 +99,13 @@ def _attention(args, variants) -> None:
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 if args.backward:
                     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-                    run = lambda: torch.autograd.grad(flash_attention(qg, kg, vg, causal=causal), (qg, kg, vg), do)
+                    run = lambda: torch.autograd.grad(flash_attention(qg, kg, vg, causal=causal, **drop), (qg, kg, vg),
+                                                      do)
                     flops *= 3.5  # forward + backward (2.5x)
                 else:
-                    run = lambda: (flash_attention(q, k, v, causal=causal),)
+                    run = lambda: (flash_attention(q, k, v, causal=causal, **drop),)
                 label = f"D={d} S={s} {'causal' if causal else 'full'}"
-                medians = _timed(variants, run, args.rounds, label)
+                medians = _timed(variants, run, args.rounds, label, not args.no_check)
                 _print(label, medians, {name: flops / ms / 1e9 for name, ms in medians.items()}, "TFLOP/s")
 
 
@@ -140,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--backward", action="store_true", help="attention: time forward + backward")
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention: dropout_p (seed fixed)")
+    parser.add_argument("--no-check", action="store_true", help="do not compare outputs with the first variant's")
     parser.add_argument("--tile", action="append", default=[], metavar="KERNEL:BM,BN,WARPS,STAGES",
                         help="attention: force one kernel's tile for 16-bit inputs (repeatable)")
     parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
