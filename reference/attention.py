@@ -30,17 +30,19 @@ query heads of a group.
 **Dropout on the probabilities.** With ``dropout_p > 0`` the normalised probabilities are dropped and
 rescaled, ``Pd = P ∘ Z / (1 - p)`` (``p`` rounded as below), and ``O = Pd V``; the log-sum-exp is that of
 the undropped scores. The keep mask ``Z`` comes from the dropout family's Philox4x32-10
-(``reference.dropout.philox4x32``) with 16-bit keep decisions, eight per call: probability ``(b, h, i, j)``
-(query head ``h``, query ``i``, key ``j``) takes half ``j mod 2`` (the low 16 bits first) of word
-``(j mod 8) div 2`` of the call with counter ``(j div 8, i, b * Hq + h, ATTENTION_COUNTER_TAG)`` and the
-64-bit seed as key, and is kept iff that half is ``>= attention_keep_threshold(p) = min(round(p * 2**16),
-2**16 - 1)``. So ``p`` is rounded to a multiple of ``2**-16`` (off by at most 7.6e-6), and kept
-probabilities are scaled by the inverse of the kept fraction, ``attention_keep_scale(p) = 2**16 / (2**16 -
-threshold)``, which keeps ``E[Pd] = P`` exact. One call serves eight neighbouring keys, as in the kernel
-(half the Philox work of a 32-bit decision per key); the tag keeps these counters apart from the
-element-wise dropout's, whose last two words are 0. The backward regenerates ``Z``: ``dV = Pdᵀ dO``,
-``dP = (dO Vᵀ) ∘ Z / (1 - p)``, ``dS = P ∘ (dP - delta)``; ``delta = rowsum(dO ∘ O)`` still equals
-``rowsum(P ∘ dP)``.
+(``reference.dropout.philox4x32``) with 8-bit keep decisions, sixteen per call. Query ``i`` and key ``j``
+(of query head ``h`` in batch ``b``) take byte ``2 * ((i div 8) mod 2) + j mod 2`` (the lowest byte is 0)
+of word ``(j mod 32) div 8`` of the call with counter ``(4 * (j div 32) + (j mod 8) div 2,
+8 * (i div 16) + i mod 8, b * Hq + h, ATTENTION_COUNTER_TAG)`` and the 64-bit seed as key, and the
+probability is kept iff that byte is ``>= attention_keep_threshold(p) = min(round(p * 256), 255)``. So
+``p`` is rounded to a multiple of 1/256 (off by at most 0.002; FlashAttention-2 does the same), and kept
+probabilities are scaled by the inverse of the kept fraction, ``attention_keep_scale(p) = 256 / (256 -
+threshold)``, which keeps ``E[Pd] = P`` exact. One call decides queries ``{i, i + 8}`` x keys
+``{2t, 2t + 1} + 8w`` (``w < 4``) of a 16 x 32 patch: the elements that one thread holds of an NVIDIA
+tensor-core accumulator tile, so the kernel draws each of them once and exchanges nothing between threads.
+The tag keeps these counters apart from the element-wise dropout's, whose last two words are 0. The
+backward regenerates ``Z``: ``dV = Pdᵀ dO``, ``dP = (dO Vᵀ) ∘ Z / (1 - p)``, ``dS = P ∘ (dP - delta)``;
+``delta = rowsum(dO ∘ O)`` still equals ``rowsum(P ∘ dP)``.
 
 Dependency rule: this file imports torch and ``reference.dropout`` only.
 """
@@ -53,20 +55,20 @@ import torch
 
 from reference.dropout import philox4x32
 
-#: Fourth Philox counter word of every attention-dropout draw ("ATT2": 16-bit decisions), shared with the kernel.
-ATTENTION_COUNTER_TAG = 0x41545432
+#: Fourth Philox counter word of every attention-dropout draw ("ATT8": 8-bit decisions), shared with the kernel.
+ATTENTION_COUNTER_TAG = 0x41545438
 _MASK32 = 0xFFFFFFFF
-#: Keep decisions are 16-bit: eight per Philox call.
-KEEP_BITS = 16
+#: Keep decisions are 8-bit: sixteen per Philox call.
+KEEP_BITS = 8
 
 
 def attention_keep_threshold(p: float) -> int:
-    """Keep a probability iff its 16-bit draw is >= this: ``round(p * 2**16)``, capped at ``2**16 - 1``."""
+    """Keep a probability iff its 8-bit draw is >= this: ``round(p * 256)``, capped at 255."""
     return min(round(p * 2**KEEP_BITS), 2**KEEP_BITS - 1)
 
 
 def attention_keep_scale(p: float) -> float:
-    """The factor of a kept probability: the inverse of the kept fraction ``1 - threshold / 2**16`` (1 when
+    """The factor of a kept probability: the inverse of the kept fraction ``1 - threshold / 256`` (1 when
     ``p`` rounds to 0)."""
     return 2**KEEP_BITS / (2**KEEP_BITS - attention_keep_threshold(p))
 
@@ -80,16 +82,17 @@ def attention_keep_mask(b: int, hq: int, sq: int, sk: int, p: float, seed: int, 
     bh = torch.arange(batch_offset * hq, (batch_offset + b) * hq, dtype=torch.int64, device=device)
     shape = (b * hq, sq, sk)
     counter = (
-        (j // 8).expand(shape),
-        i[:, None].expand(shape),
+        (4 * (j // 32) + j % 8 // 2).expand(shape),
+        (8 * (i // 16) + i % 8)[:, None].expand(shape),
         bh[:, None, None].expand(shape),
         torch.full(shape, ATTENTION_COUNTER_TAG, dtype=torch.int64, device=device),
     )
     seed &= (1 << 64) - 1
     words = torch.stack(philox4x32(counter, (seed & _MASK32, seed >> 32)))
-    word = words.gather(0, (j % 8 // 2).expand(shape).unsqueeze(0)).squeeze(0)
-    half = (word >> (KEEP_BITS * (j % 2))) & (2**KEEP_BITS - 1)
-    return (half >= attention_keep_threshold(p)).reshape(b, hq, sq, sk)
+    word = words.gather(0, (j % 32 // 8).expand(shape).unsqueeze(0)).squeeze(0)
+    byte = 2 * (i[:, None] // 8 % 2) + j % 2
+    decision = (word >> (KEEP_BITS * byte)) & (2**KEEP_BITS - 1)
+    return (decision >= attention_keep_threshold(p)).reshape(b, hq, sq, sk)
 
 
 def _check_dropout(dropout_p: float, seed) -> None:

@@ -18,7 +18,9 @@ Implements (read beside ``reference/attention.py``, which runs the same blocks i
 
 Dropout on the probabilities (``DROPOUT``): the keep mask of each tile is drawn from Philox4x32-10
 (``kernels._common.philox``) on the counter stated in ``reference/attention.py``, in the forward and again
-in the backward; nothing is stored. Packed variable-length batches (``VARLEN``) read each sequence's start
+in the backward; nothing is stored. Decisions are bytes, sixteen per call, ordered so that one call's
+sixteen are the elements one thread holds of the scores' accumulator (``_dropout_keep``): no exchange between
+threads, except the transpose the dK/dV programs need. Packed variable-length batches (``VARLEN``) read each sequence's start
 from the cumulative lengths.
 
 Limits: head dims are padded to a power of two >= 16 inside the kernel (any D works; D > 256 runs with
@@ -97,24 +99,50 @@ def _apply_window(x, q_idx, k_idx, lo_shift, hi_shift, fill, HAS_LEFT: tl.conste
 
 
 @triton.jit
-def _dropout_keep(rows, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keep mask of attention dropout for queries ``rows`` (BLOCK_M) x keys ``n0 .. n0 + BLOCK_N``
-    (``n0`` a multiple of 8): key j takes the 16-bit half ``j % 2`` (low first) of word ``(j % 8) // 2`` of
-    Philox4x32-10 on the counter ``(j // 8, i, bh, TAG)`` keyed by the seed
-    (``reference.attention.attention_keep_mask``), kept iff it is ``>= threshold``. One call serves eight
-    keys; ``join`` + ``reshape`` interleave the eight halves back into key order."""
-    zeros = tl.zeros([BLOCK_M, BLOCK_N // 8], dtype=tl.uint32)
-    c0 = zeros + (n0 // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)[None, :]
-    c1 = zeros + rows.to(tl.uint32)[:, None]
-    c2 = zeros + tl.cast(bh, tl.uint32)
-    c3 = tl.full([BLOCK_M, BLOCK_N // 8], _COUNTER_TAG, dtype=tl.uint32)
-    w0, w1, w2, w3 = philox4x32(c0, c1, c2, c3, tl.cast(seed_lo, tl.uint32), tl.cast(seed_hi, tl.uint32))
-    # join(a, b) adds a last axis of 2; [.., g, a, b] of join(join(x0, x2), join(x1, x3)) is x_{2a+b}, and a
-    # third join of the low and high halves adds the half as the last axis: flat offset 8g + 2 * word + half.
-    low = tl.join(tl.join(w0 & 0xFFFF, w2 & 0xFFFF), tl.join(w1 & 0xFFFF, w3 & 0xFFFF))
-    high = tl.join(tl.join(w0 >> 16, w2 >> 16), tl.join(w1 >> 16, w3 >> 16))
-    halves = tl.reshape(tl.join(low, high), (BLOCK_M, BLOCK_N))
-    return halves >= tl.cast(threshold, tl.uint32)
+def _dropout_keep(m0, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask of attention dropout for queries ``m0 .. m0 + BLOCK_M`` x keys ``n0 .. n0 + BLOCK_N`` (each
+    start a multiple of its block), as ``reference.attention.attention_keep_mask`` states it: query ``i``, key
+    ``j`` takes byte ``2 * ((i // 8) % 2) + j % 2`` of word ``(j % 32) // 8`` of Philox4x32-10 on the counter
+    ``(4 * (j // 32) + (j % 8) // 2, 8 * (i // 16) + i % 8, bh, TAG)``, kept iff the byte is ``>= threshold``.
+
+    Why that order: the sixteen decisions of one call are queries ``{i, i + 8}`` x keys ``{2t, 2t + 1} + 8w``
+    (``w < 4``) of a 16 x 32 patch, exactly the elements one thread holds of an NVIDIA MMA accumulator (rows
+    ``r`` and ``r + 8``, the column pair ``2t, 2t + 1`` of every 8 columns). The tile is drawn as
+    ``[g, 8a + r, t]`` (query ``16a + 8u + r``, key ``32g + 8w + 2t + h``), widened by joins to
+    ``[g, a, r, t, w, h, u]``, permuted and flattened: the compiler lays each step out where the scores keep
+    those indices, so no element crosses threads (checked in the TTGIR: no layout conversion that moves data).
+    Tiles narrower than 16 x 32 (the small D > 256 tiles) draw each element's call on its own instead."""
+    threshold = tl.cast(threshold, tl.uint32)
+    k0 = tl.cast(seed_lo, tl.uint32)
+    k1 = tl.cast(seed_hi, tl.uint32)
+    if (BLOCK_M % 16 == 0) and (BLOCK_N % 32 == 0):
+        GROUPS_M: tl.constexpr = BLOCK_M // 16
+        GROUPS_N: tl.constexpr = BLOCK_N // 32
+        # t last: the default layout then puts t and r in lanes and g in registers, as the scores have them
+        octet = (n0 // 8 + tl.arange(0, GROUPS_N) * 4)[:, None, None] + tl.arange(0, 4)[None, None, :]
+        pair = (m0 // 2 + tl.arange(0, BLOCK_M // 2))[None, :, None]
+        zeros = tl.zeros([GROUPS_N, BLOCK_M // 2, 4], dtype=tl.uint32)
+        w0, w1, w2, w3 = philox4x32(zeros + octet.to(tl.uint32), zeros + pair.to(tl.uint32),
+                                    zeros + tl.cast(bh, tl.uint32), zeros + _COUNTER_TAG, k0, k1)
+        # [.., k, l] of join(join(x0, x2), join(x1, x3)) is x_{2k + l}: the word index w
+        words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (GROUPS_N, GROUPS_M, 8, 4, 4))
+        # byte 2u + h of each word decides query half u and key parity h
+        u0 = tl.join((words & 0xFF) >= threshold, ((words >> 8) & 0xFF) >= threshold)
+        u1 = tl.join(((words >> 16) & 0xFF) >= threshold, (words >> 24) >= threshold)
+        keep = tl.permute(tl.join(u0, u1), (1, 6, 2, 0, 4, 3, 5))  # [g, a, r, t, w, h, u] -> [a, u, r, g, w, t, h]
+        keep = tl.reshape(keep, (BLOCK_M, BLOCK_N))
+    else:
+        i = (m0 + tl.arange(0, BLOCK_M))[:, None]
+        j = (n0 + tl.arange(0, BLOCK_N))[None, :]
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.uint32)
+        w0, w1, w2, w3 = philox4x32(zeros + (4 * (j // 32) + j % 8 // 2).to(tl.uint32),
+                                    zeros + (8 * (i // 16) + i % 8).to(tl.uint32),
+                                    zeros + tl.cast(bh, tl.uint32), zeros + _COUNTER_TAG, k0, k1)
+        word_index = j % 32 // 8
+        word = tl.where(word_index < 2, tl.where(word_index == 0, w0, w1), tl.where(word_index == 2, w2, w3))
+        byte = 2 * (i // 8 % 2) + j % 2
+        keep = ((word >> (8 * byte).to(tl.uint32)) & 0xFF) >= threshold
+    return keep
 
 
 @triton.jit
@@ -146,7 +174,7 @@ def _attn_fwd_inner(
     Sk, D, lo_shift, hi_shift, scale_log2,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
+    m0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
 ):
     """Stream key blocks [start, end) through the online softmax (base 2)."""
     for start_n in range(start, end, BLOCK_N):
@@ -169,7 +197,7 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)  # the normaliser counts dropped probabilities too
         if DROPOUT:
-            keep = _dropout_keep(offs_m, start_n, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N)
+            keep = _dropout_keep(m0, start_n, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p * inv_keep, 0.0)
         v = _load_rows(v_base, cols, stride_vs, offs_d, stride_vd, Sk, D, MASKED, EVEN_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -250,15 +278,15 @@ def _attn_fwd_kernel(
         acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                         start, full_lo, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
                                         True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                                        pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
+                                        pid_m * BLOCK_M, pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                     full_lo, full_hi, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
                                     False, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                                    pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
+                                    pid_m * BLOCK_M, pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                     full_hi, end, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
                                     True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                                    pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
+                                    pid_m * BLOCK_M, pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     # l_i = 0 only for a row that saw no key; not `l_i > 0`, which is False for a NaN row and would turn
     # a NaN (from a NaN or Inf in q, k or v) into zeros instead of propagating it, as torch does
     seen = ~(l_i == 0.0)
@@ -355,7 +383,7 @@ def _attn_bwd_dkdv_inner(
             pt = _apply_window(pt, rows[None, :], keys[:, None], lo_shift, hi_shift, 0.0, HAS_LEFT, HAS_RIGHT)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep_t = tl.trans(_dropout_keep(rows, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N))
+            keep_t = tl.trans(_dropout_keep(m0, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N))
             dv += tl.dot(tl.where(keep_t, pt * inv_keep, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
             dpt = tl.where(keep_t, dpt * inv_keep, 0.0)
         else:
@@ -438,7 +466,7 @@ def _attn_bwd_dq_inner(
     offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
+    m0, bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT: tl.constexpr,
 ):
     """Accumulate this query block's dQ (unscaled) over the key blocks [start, end)."""
     for n0 in range(start, end, BLOCK_N):
@@ -452,7 +480,7 @@ def _attn_bwd_dq_inner(
             p = _apply_window(p, offs_m[:, None], cols[None, :], lo_shift, hi_shift, 0.0, HAS_LEFT, HAS_RIGHT)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = _dropout_keep(offs_m, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N)
+            keep = _dropout_keep(m0, n0, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -505,15 +533,15 @@ def _attn_bwd_dq_program(
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                                 start, full_lo, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
                                 True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                                pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
+                                pid_m * BLOCK_M, pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                             full_lo, full_hi, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
                             False, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                            pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
+                            pid_m * BLOCK_M, pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
                             full_hi, end, offs_m, offs_n, offs_d, Sk, D, lo_shift, hi_shift, scale_log2,
                             True, HAS_LEFT, HAS_RIGHT, EVEN_D, BLOCK_M, BLOCK_N, DOT_PRECISION,
-                            pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
+                            pid_m * BLOCK_M, pid_bh, seed_lo, seed_hi, threshold, inv_keep, DROPOUT)
     dq_ptrs = (_head_base(dq_ptr, b, h, stride_dqb, stride_dqh, q_start, stride_dqs)
                + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd)
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_d < D)[None, :])

@@ -76,8 +76,8 @@ _NO_DROPOUT = (0, 0, None, 0, 1.0)
 
 def _dropout_args(dropout_p: float, seed: Seed) -> tuple:
     """Attention dropout as ``(seed_lo, seed_hi, seed_tensor, threshold, inv_keep)``: the seed as
-    ``kernels._common.seed.dropout_scalars`` passes it, the 16-bit keep threshold and the scale of
-    ``reference.attention`` (``p`` rounded to a multiple of 2**-16; a threshold of 0 keeps everything)."""
+    ``kernels._common.seed.dropout_scalars`` passes it, the 8-bit keep threshold and the scale of
+    ``reference.attention`` (``p`` rounded to a multiple of 1/256; a threshold of 0 keeps everything)."""
     if dropout_p == 0.0:
         return _NO_DROPOUT
     seed_lo, seed_hi, seed_tensor, _, _ = dropout_scalars(dropout_p, seed)
@@ -318,7 +318,8 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     drop = _dropout_args(dropout_p, seed)
     sq = _dims(q, k, varlen)[3]
-    dkdv_cfg, dq_cfg = (configs.launch_config(kernel, d, q.dtype, left, right, sq) for kernel in ("dkdv", "dq"))
+    dkdv_cfg, dq_cfg = (configs.launch_config(kernel, d, q.dtype, left, right, sq, dropout=dropout_p > 0)
+                        for kernel in ("dkdv", "dq"))
     if configs.fuse_backward(dkdv_cfg, dq_cfg):
         _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left, right, scale, dkdv_cfg, dq_cfg, drop, varlen,
                     traceable=traceable)
@@ -484,9 +485,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     scores).
 
     ``dropout_p`` in [0, 1) drops normalised probabilities and rescales the kept ones by ``1 / (1 - p)``.
-    Keep decisions are 16-bit, so ``p`` is rounded to a multiple of ``2**-16`` (at most 7.6e-6 off; the
-    scale is the inverse of the rounded kept fraction). The keep mask is a pure function of ``seed`` and
-    (batch, query head, query, key): the dropout family's Philox4x32-10 on the counter stated in
+    Keep decisions are 8-bit, as in FlashAttention-2, so ``p`` is rounded to a multiple of 1/256 (at most
+    0.002 off, and at most 255/256; the scale is the inverse of the rounded kept fraction). The keep mask is
+    a pure function of ``seed`` and (batch, query head, query, key): the dropout family's Philox4x32-10 on the
+    counter stated in
     ``reference.attention`` (no mask is stored; the backward draws it again). ``seed=None`` draws one from
     torch's generator for the device, so ``torch.manual_seed`` governs it and two calls differ (under
     torch.compile and in CUDA graphs it is drawn on the device: each compiled call and each replay gets a
