@@ -19,9 +19,9 @@ Implements (read beside ``reference/attention.py``, which runs the same blocks i
 Dropout on the probabilities (``DROPOUT``): the keep mask of each tile is drawn from Philox4x32-10
 (``kernels._common.philox``) on the counter stated in ``reference/attention.py``, in the forward and again
 in the backward; nothing is stored. Decisions are bytes, sixteen per call, ordered so that one call's
-sixteen are the elements one thread holds of the scores' accumulator (``_dropout_keep``): no exchange between
-threads, except the transpose the dK/dV programs need. Packed variable-length batches (``VARLEN``) read each sequence's start
-from the cumulative lengths.
+sixteen are the elements one thread holds of the scores' accumulator (``_dropout_keep``): no exchange
+between threads, except the transpose the dK/dV programs need. Packed variable-length batches
+(``VARLEN``) read each sequence's start from the cumulative lengths.
 
 Limits: head dims are padded to a power of two >= 16 inside the kernel (any D works; D > 256 runs with
 small blocks, correct but slow). Any strides. Tiles, warps and stages: ``kernels/attention/configs.py``.

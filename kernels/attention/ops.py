@@ -488,11 +488,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     Keep decisions are 8-bit, as in FlashAttention-2, so ``p`` is rounded to a multiple of 1/256 (at most
     0.002 off, and at most 255/256; the scale is the inverse of the rounded kept fraction). The keep mask is
     a pure function of ``seed`` and (batch, query head, query, key): the dropout family's Philox4x32-10 on the
-    counter stated in
-    ``reference.attention`` (no mask is stored; the backward draws it again). ``seed=None`` draws one from
-    torch's generator for the device, so ``torch.manual_seed`` governs it and two calls differ (under
-    torch.compile and in CUDA graphs it is drawn on the device: each compiled call and each replay gets a
-    new mask).
+    counter stated in ``reference.attention`` (no mask is stored; the backward draws it again). ``seed=None``
+    draws one from torch's generator for the device, so ``torch.manual_seed`` governs it and two calls differ
+    (under torch.compile and in CUDA graphs it is drawn on the device: each compiled call and each replay gets
+    a new mask).
 
     Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA's are.
 
