@@ -277,3 +277,84 @@ def test_every_family_launch_takes_the_cached_path():
     assert len(launched) >= 5
     missing = [kernel.__name__ for kernel in launched if not _fast_launcher(kernel)._compiled]
     assert not missing, f"launches that never take the cached path: {missing}"
+
+
+def _gradients_of(run, inputs, seed: int):
+    """Outputs and input gradients of ``run(*inputs)`` (a tensor or a tuple of them), its dropout seeded."""
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    outputs = run(*inputs, seed)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    torch.autograd.backward(outputs, [torch.ones_like(o) * 0.01 for o in outputs])
+    return [o.detach() for o in outputs] + [t.grad for t in inputs]
+
+
+def _replay_cases():
+    from kernels.attention import flash_attention
+    from kernels.layernorm import add_dropout_norm, layer_norm, rms_norm
+
+    def qkv(b, hq, hkv, s, d, dtype=torch.bfloat16, bshd=False):
+        shapes = [(b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d)]
+        if bshd:  # (B, S, H, D) storage viewed as (B, H, S, D)
+            return [torch.randn(sh[0], sh[2], sh[1], sh[3], device="cuda", dtype=dtype).transpose(1, 2)
+                    for sh in shapes]
+        return [torch.randn(sh, device="cuda", dtype=dtype) for sh in shapes]
+
+    x, r = (torch.randn(48, 768, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w, b = (torch.randn(768, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return {
+        "attention causal p0.1": (lambda q, k, v, s: flash_attention(q, k, v, causal=True, dropout_p=0.1, seed=s),
+                                  qkv(2, 4, 4, 200, 64)),
+        "attention GQA window": (lambda q, k, v, s: flash_attention(q, k, v, window_size=(40, 8)),
+                                 qkv(1, 8, 2, 130, 128, torch.float16)),
+        "attention (B,S,H,D) views": (lambda q, k, v, s: flash_attention(q, k, v, causal=True), qkv(2, 4, 2, 96, 64,
+                                                                                                    bshd=True)),
+        "layer_norm": (lambda x, w, b, s: layer_norm(x, 768, w, b, deterministic=True), [x, w, b]),
+        "rms_norm": (lambda x, w, s: rms_norm(x, 768, w, deterministic=True), [x, w]),
+        "add_dropout_norm": (lambda x, r, w, b, s: add_dropout_norm(x, r, w, b, dropout_p=0.1, seed=s,
+                                                                    deterministic=True), [x, r, w, b]),
+        "add_dropout_norm rms fp32 residual": (
+            lambda x, r, w, s: add_dropout_norm(x, r, w, kind="rms", dropout_p=0.2, seed=s, deterministic=True,
+                                                residual_dtype=torch.float32), [x, r.float(), w]),
+    }
+
+
+@pytest.mark.cuda
+def test_replayed_launches_equal_launches_built_anew(monkeypatch):
+    """An eager call records its launches and later calls of the same signature replay them with their own
+    tensors and seed: the results must be bit for bit those of launches built anew, for every op that replays,
+    and the replay must really happen (a signature whose recording failed builds its launches every time)."""
+    import kernels._common.launch as launch
+    import kernels.attention.ops as attention_ops
+    import kernels.layernorm.ops as layernorm_ops
+
+    caches = [attention_ops._FORWARD_CALLS, attention_ops._BACKWARD_CALLS, layernorm_ops._NORM_FORWARD_CALLS,
+              layernorm_ops._NORM_BACKWARD_CALLS, layernorm_ops._ADD_DROPOUT_NORM_CALLS]
+    for name, (run, inputs) in _replay_cases().items():
+        monkeypatch.setattr(launch, "PREPARED_LAUNCH", False)
+        expected = [_gradients_of(run, inputs, seed) for seed in (11, 12)]
+        monkeypatch.setattr(launch, "PREPARED_LAUNCH", True)
+        launch.forget_recorded_launches()
+        for round_ in range(2):  # the first call of each signature records, the others replay
+            for seed, want in zip((11, 12), expected, strict=True):
+                got = _gradients_of(run, inputs, seed)
+                for g, e in zip(got, want, strict=True):
+                    assert torch.equal(g, e), f"{name}, round {round_}, seed {seed}"
+        recorded = [entry for cache in caches for entry in cache._entries.values()]
+        assert recorded and all(isinstance(entry, launch.RecordedCall) for entry in recorded), name
+
+
+@pytest.mark.cuda
+def test_a_replay_refuses_a_misaligned_tensor_and_builds_the_launch_anew():
+    """The recorded kernel may assume 16-byte aligned pointers: a call with the same shapes and strides but a
+    misaligned input must not replay it."""
+    import kernels._common.launch as launch
+    from kernels.attention import flash_attention
+
+    launch.forget_recorded_launches()
+    storage = torch.randn(3 * 2 * 64 * 64 + 8, device="cuda", dtype=torch.float16)
+    aligned = [storage[i * 8192: i * 8192 + 8192].view(1, 2, 64, 64) for i in range(3)]
+    shifted = [storage[i * 8192 + 1: i * 8192 + 8193].view(1, 2, 64, 64) for i in range(3)]
+    flash_attention(*aligned, causal=True)  # records
+    got = flash_attention(*shifted, causal=True)
+    expected = flash_attention(*[t.clone() for t in shifted], causal=True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -12,6 +12,15 @@ string, launch-hook metadata, and a ``cuPointerGetAttribute`` driver call per te
 times the memory time of a LayerNorm at M = 4096. The launcher keys its own cache of compiled kernels on
 exactly what Triton specialises on and calls the compiled launcher directly (LayerNorm README, "Host
 path"). Gluon kernels take their TMA arguments as :class:`TmaTensor` through the same launcher.
+
+Even so, keying and converting ~40 arguments per launch in Python was most of an eager op's own host time. So an
+op's first eager call with a given signature records its launches (:func:`launch_or_replay`, :class:`Recording`),
+and later calls replay them (:class:`RecordedCall`) with their own tensors' addresses and per-call ints (the seed):
+a list copy and the C launcher call per launch. The op states the signature: everything its launches depend on
+besides those addresses and ints. Limits and the trade-off: a recording holds only tensors the op names (and
+:func:`fixed_tensor` placeholders), so a call that launches on a tensor made inside it (a copy) is never replayed;
+kernels must not specialise on the per-call ints (``do_not_specialize``); launch-table overrides and kernel swaps
+call :func:`forget_recorded_launches`. Measured: top-level README, "Host cost".
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.library import wrap_triton
@@ -116,9 +125,30 @@ class FastLauncher:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
-        if callable(grid) or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+        if _RECORDING[0] is not None:
+            return self._record(grid, args, kwargs, _RECORDING[0])
+        if callable(grid) or hooks_installed():
             return _plain_launch(self.kernel, grid, args, kwargs)
         device = _current_device()
+        bound = self._key_and_values(device, args, kwargs)
+        if bound is None:
+            return _plain_launch(self.kernel, grid, args, kwargs)
+        key, values = bound
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = _plain_launch(self.kernel, grid, args, kwargs)
+            self._remember(key, compiled, len(args), kwargs)
+            return compiled
+        launch, function, leading, tail = entry
+        g0, g1, g2 = _grid3(grid)
+        launch(g0, g1, g2, _current_raw_stream(device), function, *leading, *values, *tail)
+        return None
+
+    @staticmethod
+    def _key_and_values(device: int, args: tuple, kwargs: dict) -> tuple[tuple, list] | None:
+        """The cache key of a launch (what Triton specialises on) and the values its compiled launcher takes, or
+        None when the launch must take Triton's own path (a tensor on another device, an argument of another
+        kind)."""
         key = [device]
         values = []
         device_checked = False
@@ -141,7 +171,7 @@ class FastLauncher:
             elif isinstance(arg, torch.Tensor):
                 if not device_checked:
                     if arg.device.index != device:
-                        return _plain_launch(self.kernel, grid, args, kwargs)
+                        return None
                     device_checked = True
                 address = arg.data_ptr()
                 key.append(arg.dtype)  # a dtype entry is always followed by the alignment flag
@@ -150,7 +180,7 @@ class FastLauncher:
             elif kind is TmaTensor:
                 if not device_checked:
                     if arg.base.device.index != device:
-                        return _plain_launch(self.kernel, grid, args, kwargs)
+                        return None
                     device_checked = True
                 key.append(arg.base.dtype)
                 key.append(arg.block_shape)
@@ -160,18 +190,49 @@ class FastLauncher:
                 key.append(_int_key(arg))
                 values.append(int(arg))
             else:
-                return _plain_launch(self.kernel, grid, args, kwargs)
+                return None
         key.append(tuple(kwargs.items()))
-        key = tuple(key)
-        entry = self._compiled.get(key)
-        if entry is None:
-            compiled = _plain_launch(self.kernel, grid, args, kwargs)
-            self._remember(key, compiled, len(args), kwargs)
-            return compiled
-        launch, function, leading, tail = entry
-        g0, g1, g2 = (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
-        launch(g0, g1, g2, _current_raw_stream(device), function, *leading, *values, *tail)
-        return None
+        return tuple(key), values
+
+    def _record(self, grid, args: tuple, kwargs: dict, recording: Recording):
+        """Launch as usual, then add the launch to ``recording`` as a :class:`PreparedLaunch`; mark the recording
+        failed when it cannot be replayed (it took Triton's own path, a tensor argument is neither one of the
+        recording's tensors nor a :func:`fixed_tensor`, or one of them is not 16-byte aligned: the compiled kernel
+        may assume the alignment it saw)."""
+        _RECORDING[0] = None  # the launch itself, and anything it calls, runs as usual
+        try:
+            result = self._launch(grid, *args, **kwargs)
+        finally:
+            _RECORDING[0] = recording
+        prepared = None
+        if not (callable(grid) or hooks_installed()):
+            device = _current_device()
+            bound = self._key_and_values(device, args, kwargs)
+            entry = None if bound is None else self._compiled.get(bound[0])
+            if entry is not None:
+                prepared = self._prepared(entry, _grid3(grid), bound[1], args, device, recording)
+        if prepared is None:
+            recording.failed = True
+        else:
+            recording.launches.append(prepared)
+        return result
+
+    def _prepared(self, entry, grid, values, args, device, recording) -> PreparedLaunch | None:
+        tensor_slots = []
+        for position, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                index = next((i for i, t in enumerate(recording.tensors) if t is arg), None)
+                if index is not None:
+                    if values[position] & 15:
+                        return None
+                    tensor_slots.append((position, index))
+                elif id(arg) not in _FIXED_TENSORS:
+                    return None
+            elif type(arg) is TmaTensor:
+                return None
+        names = [p.name for p in self._params[:len(args)]]
+        int_slots = [(names.index(name), i) for i, name in enumerate(recording.int_names) if name in names]
+        return PreparedLaunch(entry, grid, values, tensor_slots, int_slots, device)
 
     def _remember(self, key, compiled, n_positional: int, kwargs: dict) -> None:
         """Cache ``compiled`` with the values of the parameters after the positional ones (constexprs, from
@@ -201,14 +262,187 @@ class FastLauncher:
         self._compiled[key] = (launch, compiled.function, leading, tuple(tail))
 
 
-@functools.cache
+def hooks_installed() -> bool:
+    """Whether a launch hook is installed (a profiler such as proton): every launch must then go through Triton."""
+    return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
+
+
+def _grid3(grid) -> tuple[int, int, int]:
+    return (grid[0], 1, 1) if len(grid) == 1 else (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
+
+
+class PreparedLaunch:
+    """One recorded launch, replayed with an op call's own tensors and per-call ints (:class:`Recording`): the
+    compiled kernel, the grid and every other argument are the recorded ones. A replay costs the C launcher call
+    and a list copy, where a launch through :class:`FastLauncher` keys and converts every argument (~40 per
+    attention launch) in Python."""
+
+    __slots__ = ("_device", "_entry", "_grid", "_int_slots", "_tensor_slots", "_values")
+
+    def __init__(self, entry, grid, values, tensor_slots, int_slots, device):
+        self._entry, self._grid, self._values = entry, grid, values
+        self._tensor_slots, self._int_slots, self._device = tensor_slots, int_slots, device
+
+    def __call__(self, addresses: list, ints: tuple) -> None:
+        values = self._values.copy()
+        for position, index in self._tensor_slots:
+            values[position] = addresses[index]
+        for position, index in self._int_slots:
+            values[position] = ints[index]
+        launch, function, leading, tail = self._entry
+        g0, g1, g2 = self._grid
+        launch(g0, g1, g2, _current_raw_stream(self._device), function, *leading, *values, *tail)
+
+
+class Recording:
+    """The launches of one op call, recorded to be replayed by later calls with the same signature.
+
+    ``tensors``: every tensor the call's launches take (inputs, outputs, temporaries), in an order the op fixes;
+    ``int_names``: the kernel parameters whose values change from call to call (seed words), in an order the op
+    fixes. A launch that takes any other tensor (a copy made inside the call, say) fails the recording, unless
+    the tensor is a :func:`fixed_tensor`, whose address is then part of the recording."""
+
+    def __init__(self, tensors: tuple, int_names: tuple[str, ...] = ()):
+        self.tensors, self.int_names = tensors, int_names
+        self.launches: list[PreparedLaunch] = []
+        self.failed = False
+
+    def replay(self) -> RecordedCall | None:
+        """What the recorded call launched, replayable; None when a launch could not be recorded."""
+        return None if self.failed or not self.launches else RecordedCall(tuple(self.launches))
+
+
+class RecordedCall:
+    """The launches of a recorded op call, run again on a later call's tensors and per-call ints."""
+
+    __slots__ = ("_launches",)
+
+    def __init__(self, launches: tuple[PreparedLaunch, ...]):
+        self._launches = launches
+
+    def __call__(self, tensors: tuple, ints: tuple = ()) -> bool:
+        """Launch for ``tensors`` (same dtypes, shapes and strides as the recorded call's; None where it had
+        None) and ``ints``; False, launching nothing, when it cannot run now (a launch hook is installed, the
+        tensors are not on the current device, or one is not 16-byte aligned): the op then builds its launches
+        anew."""
+        if hooks_installed():
+            return False
+        addresses = []
+        aligned = 0
+        for t in tensors:
+            address = 0 if t is None else t.data_ptr()
+            aligned |= address
+            addresses.append(address)
+        if aligned & 15 or self._launches[0]._device != _current_device():
+            return False
+        for launch in self._launches:
+            launch(addresses, ints)
+        return True
+
+
+_RECORDING: list[Recording | None] = [None]
+#: ids of tensors that live as long as the process (placeholders), whose addresses recordings may keep
+_FIXED_TENSORS: set[int] = set()
+_FIXED_KEEP: list[torch.Tensor] = []
+
+
+def fixed_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as kept alive for the process (it is referenced here): recorded launches may take its address."""
+    if id(t) not in _FIXED_TENSORS:
+        _FIXED_KEEP.append(t)
+        _FIXED_TENSORS.add(id(t))
+    return t
+
+
+@contextlib.contextmanager
+def recording(tensors: tuple, int_names: tuple[str, ...] = ()) -> Iterator[Recording]:
+    """Inside the block, every :class:`FastLauncher` launch also goes into the yielded :class:`Recording`."""
+    rec = Recording(tensors, int_names)
+    saved, _RECORDING[0] = _RECORDING[0], rec
+    try:
+        yield rec
+    finally:
+        _RECORDING[0] = saved
+
+
+class PreparedCache:
+    """Recorded launches of one op, by call signature (a tuple of everything the launches' arguments depend on
+    besides the tensors' addresses and the per-call ints). Emptied when it grows past ``limit`` entries (shapes
+    that change every call) and by :func:`forget_recorded_launches`."""
+
+    def __init__(self, limit: int = 256):
+        self._entries: dict = {}
+        self._limit = limit
+        self._generation = _KERNEL_GENERATION[0]
+
+    def get(self, signature):
+        if self._generation != _KERNEL_GENERATION[0]:
+            self._entries.clear()
+            self._generation = _KERNEL_GENERATION[0]
+        return self._entries.get(signature)
+
+    def put(self, signature, prepared) -> None:
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        self._entries[signature] = prepared
+
+
+def launch_or_replay(cache: PreparedCache, signature, tensors: tuple, launch: Callable[[], None],
+                     ints: tuple = (), int_names: tuple[str, ...] = ()) -> None:
+    """``launch()``, recorded the first time ``signature`` is seen and replayed for ``tensors`` and ``ints`` after
+    (see :class:`Recording`); always ``launch()`` for a None signature, and for signatures whose recording
+    failed. ``signature`` must hold everything the launches depend on besides the tensors' addresses and
+    ``ints``."""
+    if signature is None:
+        launch()
+        return
+    replay = cache.get(signature)
+    if replay and replay(tensors, ints):
+        return
+    if replay is None:
+        with recording(tensors, int_names) as rec:
+            launch()
+        cache.put(signature, rec.replay() or False)
+        return
+    launch()
+
+
+#: bumped by :func:`forget_recorded_launches`
+_KERNEL_GENERATION = [0]
+
+
+def forget_recorded_launches() -> None:
+    """Empty every :class:`PreparedCache` (on its next use): for whatever changes launches without changing a call's
+    signature, i.e. kernels swapped in (:func:`kernels_from`) and launch-table overrides."""
+    _KERNEL_GENERATION[0] += 1
+
+
+def prepared_launches_enabled() -> bool:
+    """Prepared launches run for eager CUDA calls through :class:`FastLauncher` (not under the interpreter, not
+    with ``FUSED_KERNELS_PLAIN_LAUNCH=1``, nor ``FUSED_KERNELS_PREPARED_LAUNCH=0``)."""
+    return not INTERPRETER and not PLAIN_LAUNCH and PREPARED_LAUNCH
+
+
+_LAUNCHERS: dict[int, FastLauncher] = {}
+
+
 def _fast_launcher(kernel) -> FastLauncher:
-    return FastLauncher(kernel)
+    """The one :class:`FastLauncher` of ``kernel``. Looked up by the kernel object's id, checked by identity (an id
+    can be reused once an object is gone): hashing a ``JITFunction`` goes through its ``cache_key`` property, 0.6 us
+    per lookup on a CPU against 0.15 for this."""
+    launcher = _LAUNCHERS.get(id(kernel))
+    if launcher is None or launcher.kernel is not kernel:
+        launcher = _LAUNCHERS[id(kernel)] = FastLauncher(kernel)
+    return launcher
 
 
 #: ``FUSED_KERNELS_PLAIN_LAUNCH=1`` sends every eager launch through Triton's own ``kernel[grid]`` (to rule
 #: the launcher in or out when chasing a bug).
 PLAIN_LAUNCH = os.environ.get("FUSED_KERNELS_PLAIN_LAUNCH", "0") == "1"
+
+#: ``FUSED_KERNELS_PREPARED_LAUNCH=0`` turns prepared launches off: every eager call then builds its launches
+#: anew (to rule them in or out when chasing a bug, and to time them).
+PREPARED_LAUNCH = os.environ.get("FUSED_KERNELS_PREPARED_LAUNCH", "1") == "1"
 
 
 class _PlainLauncher:
@@ -238,10 +472,12 @@ def kernels_from(namespace: dict, module, names: tuple[str, ...]) -> Iterator[No
     against this one in the same process. Each family's ``ops.kernels_from`` wraps this."""
     saved = {name: namespace[name] for name in names}
     namespace.update({name: getattr(module, name) for name in names if hasattr(module, name)})
+    forget_recorded_launches()
     try:
         yield
     finally:
         namespace.update(saved)
+        forget_recorded_launches()
 
 
 def cdiv(a: int, b: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels._common.launch import fixed_tensor
 from reference.dropout import keep_threshold
 
 _MASK32 = (1 << 32) - 1
@@ -84,7 +85,8 @@ def seed_pointer(seed_tensor: torch.Tensor | None, like: torch.Tensor,
     device = like.device
     placeholder = _PLACEHOLDERS.get(device)
     if placeholder is None:
-        placeholder = _PLACEHOLDERS[device] = torch.empty(1, dtype=torch.int64, device=device)
+        # fixed: recorded launches may keep its address (kernels._common.launch.Recording)
+        placeholder = _PLACEHOLDERS[device] = fixed_tensor(torch.empty(1, dtype=torch.int64, device=device))
     return placeholder, 0
 
 

@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from kernels._common.launch import forget_recorded_launches
+
 #: Head dims are padded to a power of two of at least 16; the kernels take up to 1024.
 MAX_HEAD_DIM = 1024
 #: A two-sided window of at most this many keys is a "narrow" band.
@@ -312,10 +314,12 @@ def override(adjust: Callable[[Query, Tile], Tile] | None = None, *, fuse: bool 
     global _adjust, _fuse
     saved = _adjust, _fuse
     _adjust, _fuse = adjust, fuse
+    forget_recorded_launches()  # eager calls replay launches recorded with the table's tiles
     try:
         yield
     finally:
         _adjust, _fuse = saved
+        forget_recorded_launches()
 
 
 def table(dims=(64, 128), lengths=(512, 1024, 1025, 4096), dtypes=(torch.bfloat16, torch.float32)) -> str:

@@ -33,11 +33,12 @@ from kernels._common import (
     nothing_to_launch,
     unused_pointer,
 )
-from kernels._common.launch import TmaTensor
+from kernels._common.launch import PreparedCache, TmaTensor, launch_or_replay, prepared_launches_enabled
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import (
     Seed,
     dropout_scalars,
+    key_words,
     op_seed_args,
     seed_for_call,
     seed_from_op_args,
@@ -274,13 +275,37 @@ def _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, var
     return twin.flash_attention_varlen_backward(do, q, k, v, o, lse, varlen[0], varlen[1], **kw)
 
 
+#: recorded launches of eager calls, by call signature (``_eager_signature``)
+_FORWARD_CALLS = PreparedCache()
+_BACKWARD_CALLS = PreparedCache()
+#: the kernels' parameters that change from call to call: the dropout seed's key words
+_SEED_WORDS = ("seed_lo", "seed_hi")
+
+
+def _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, *extra):
+    """What an eager dense call's launches depend on besides the tensors' addresses and the seed (shapes, strides,
+    dtype, device, band, scale, dropout, the kernel path), or None for calls that are not replayed (traced or
+    packed calls, a device seed, prepared launches off)."""
+    if traceable or varlen is not None or type(seed) is not int or not prepared_launches_enabled():
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index, left, right, scale,
+            dropout_p, configs.path(), *extra)
+
+
+def _seed_words(dropout_p: float, seed: int) -> tuple[int, int]:
+    return key_words(seed) if dropout_p > 0 else (0, 0)
+
+
 def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0, varlen=None, *,
               traceable=False):
-    """``(o, lse)``: o laid out as q (contiguous); lse (B, Hq, Sq), or (Hq, total_q) when packed."""
+    """``(o, lse)``: o laid out as q (contiguous); lse (B, Hq, Sq), or (Hq, total_q) when packed.
+
+    An eager dense call replays the launches recorded by the first call with the same signature
+    (``kernels._common.launch.Recording``): a few us of host time instead of building ~40 arguments anew."""
     if backend_for(q) == "reference":
         o, lse = _twin_forward(q, k, v, left, right, scale, dropout_p, seed, varlen)
         return o, lse.float()
-    b, hq, _, sq, _, d = _dims(q, k, varlen)
+    b, hq = _dims(q, k, varlen)[:2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     stats_shape = (b, hq, q.shape[2]) if varlen is None else (hq, q.shape[0])
     lse = torch.empty(stats_shape, device=q.device, dtype=torch.float32)
@@ -288,17 +313,26 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
+    signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable)
+    launch_or_replay(_FORWARD_CALLS, signature, (q, k, v, o, lse),
+                     lambda: _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable),
+                     _seed_words(dropout_p, seed) if signature else (), _SEED_WORDS)
+    return o, lse
+
+
+def _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable) -> None:
     if not traceable and uses_hopper_forward(q, k, v, dropout_p, varlen):
         _launch_fwd_hopper(q, k, v, o, lse, left, right, scale)
-        return o, lse
+        return
+    _, _, _, sq, _, d = _dims(q, k, varlen)
     cfg = configs.launch_config("fwd", d, q.dtype, left, right, sq, dropout=dropout_p > 0)
     _launch_fwd(q, k, v, o, lse, left, right, scale, cfg, _dropout_args(dropout_p, seed), varlen, traceable=traceable)
-    return o, lse
 
 
 def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0,
               varlen=None, *, traceable=False, deterministic=False):
-    """``(dq, dk, dv)``, laid out as q, k, v (contiguous)."""
+    """``(dq, dk, dv)``, laid out as q, k, v (contiguous). Eager dense calls replay recorded launches (as
+    ``_fwd_impl``)."""
     b, _, _, _, _, d = _dims(q, k, varlen)
     too_wide_for_fp32 = q.dtype == torch.float32 and configs.block_d(d) > configs.FP32_MAX_KERNEL_BWD_DIM
     if backend_for(q) == "reference" or too_wide_for_fp32:
@@ -315,9 +349,21 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
         # a slice of the padded accumulator is not dense: the cast lays dQ out contiguously
         return dq_acc[..., :d].to(q.dtype), dk, dv
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
+                                 o.stride(), deterministic)
+    launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq, dk, dv),
+                     lambda: _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed,
+                                           varlen, traceable),
+                     _seed_words(dropout_p, seed) if signature else (), _SEED_WORDS)
+    return dq, dk, dv
+
+
+def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed, varlen,
+                  traceable) -> None:
+    """The portable backward: ``delta``, then dK/dV and dQ programs in one launch or two."""
     _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     drop = _dropout_args(dropout_p, seed)
-    sq = _dims(q, k, varlen)[3]
+    _, _, _, sq, _, d = _dims(q, k, varlen)
     dkdv_cfg, dq_cfg = (configs.launch_config(kernel, d, q.dtype, left, right, sq, dropout=dropout_p > 0)
                         for kernel in ("dkdv", "dq"))
     if configs.fuse_backward(dkdv_cfg, dq_cfg):
@@ -328,7 +374,6 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
                     traceable=traceable)
         _launch_bwd(do, q, k, v, lse, delta, dq, None, None, left, right, scale, None, dq_cfg, drop, varlen,
                     traceable=traceable)
-    return dq, dk, dv
 
 
 def _varlen(cu_q, cu_k, max_sq: int, max_sk: int):

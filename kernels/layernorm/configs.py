@@ -34,7 +34,7 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 
-from kernels._common.launch import cdiv, l2_cache_bytes, multiprocessor_count
+from kernels._common.launch import cdiv, forget_recorded_launches, l2_cache_bytes, multiprocessor_count
 from reference.dropout import LANE_STRIDE
 
 DROPOUT_CHUNK = 4 * LANE_STRIDE  # elements per Philox chunk of the dropout layout
@@ -97,10 +97,12 @@ def override(**changes) -> Iterator[Settings]:
     _active = dataclasses.replace(saved, **changes)
     _forward_cached.cache_clear()
     _backward_cached.cache_clear()
+    forget_recorded_launches()  # eager calls replay launches recorded with the other settings
     try:
         yield _active
     finally:
         _active = saved
+        forget_recorded_launches()
         _forward_cached.cache_clear()
         _backward_cached.cache_clear()
 

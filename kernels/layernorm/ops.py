@@ -39,6 +39,7 @@ from kernels._common import (
 )
 from kernels._common import seed as seeds
 from kernels._common.autocast import autocast_dtype
+from kernels._common.launch import PreparedCache, launch_or_replay, prepared_launches_enabled
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import Seed
 from kernels.dropout.ops import _dropout_impl as dropout_impl
@@ -95,6 +96,20 @@ def _or_unused(t: torch.Tensor | None, like: torch.Tensor, traceable: bool):
     return t if t is not None else unused_pointer(like, traceable)
 
 
+#: recorded launches of eager calls, by call signature (``kernels._common.launch.launch_or_replay``)
+_NORM_FORWARD_CALLS = PreparedCache()
+_NORM_BACKWARD_CALLS = PreparedCache()
+_ADD_DROPOUT_NORM_CALLS = PreparedCache()
+#: the kernels' parameters that change from call to call: the dropout seed's key words
+_SEED_WORDS = ("seed_lo", "seed_hi")
+
+
+def _eager(traceable: bool, seed_in_memory: int = 0) -> bool:
+    """Whether a call's launches are recorded and replayed: eager, the seed (if any) passed as ints (a device seed,
+    read from memory, is a tensor of the call)."""
+    return not traceable and not seed_in_memory and prepared_launches_enabled()
+
+
 def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, traceable=False):
     """``(y, mean, rstd)`` for rows of ``n`` (default: the last dim) of ``x``; ``y`` has ``x``'s shape (and
     is contiguous) and dtype (or ``y_dtype``), ``mean``/``rstd`` are fp32 of M = x.numel() / n (``mean`` is
@@ -117,13 +132,20 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, tracea
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     if nothing_to_launch(x):
         return y, mean, rstd
-    cfg = configs.forward(n)
-    grid = (configs.forward_programs(m, n, cfg, x.element_size(), x.device.index or 0),)
-    kernel_for(_layer_norm_fwd_kernel, traceable=traceable)[grid](
-        x, y, _or_unused(weight, x, traceable), _or_unused(bias, x, traceable),
-        _or_unused(None if is_rms else mean, x, traceable), rstd, m, n, stride_x, n, eps,
-        IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **cfg,
-    )
+
+    def launch():
+        cfg = configs.forward(n)
+        grid = (configs.forward_programs(m, n, cfg, x.element_size(), x.device.index or 0),)
+        kernel_for(_layer_norm_fwd_kernel, traceable=traceable)[grid](
+            x, y, _or_unused(weight, x, traceable), _or_unused(bias, x, traceable),
+            _or_unused(None if is_rms else mean, x, traceable), rstd, m, n, stride_x, n, eps,
+            IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **cfg,
+        )
+
+    signature = None if not _eager(traceable) else (
+        x.shape, stride_x, n, x.dtype, y.dtype, x.device.index, None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype, eps, is_rms)
+    launch_or_replay(_NORM_FORWARD_CALLS, signature, (x, y, weight, bias, mean, rstd), launch)
     return y, mean, rstd
 
 
@@ -172,13 +194,26 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         # Locks, then first-write flags: one zeroed allocation (lock mode only).
         locks = None if deterministic or not need_partial else torch.zeros(
             2 * slots, device=x.device, dtype=torch.int32)
-        kernel_for(_layer_norm_bwd_kernel, traceable=traceable)[(programs,)](
-            x, dy, dx, w_arg, mean_arg, rstd, _or_unused(partial, x, traceable), _or_unused(locks, x, traceable),
-            m, n, stride_x, stride_dy, n, rows_per_program, slots, _or_unused(dres, x, traceable),
-            _or_unused(dr, x, traceable), *drop,
-            IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db, DETERMINISTIC=deterministic,
-            HAS_DRES=dres is not None, STORE_DR=dr is not None, DROPOUT=dropout_on, **cfg,
-        )
+
+        def launch():
+            kernel_for(_layer_norm_bwd_kernel, traceable=traceable)[(programs,)](
+                x, dy, dx, w_arg, mean_arg, rstd, _or_unused(partial, x, traceable), _or_unused(locks, x, traceable),
+                m, n, stride_x, stride_dy, n, rows_per_program, slots, _or_unused(dres, x, traceable),
+                _or_unused(dr, x, traceable), *drop,
+                IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db, DETERMINISTIC=deterministic,
+                HAS_DRES=dres is not None, STORE_DR=dr is not None, DROPOUT=dropout_on, **cfg,
+            )
+            if need_partial:
+                _launch_dwdb(partial, dw, db, need_dw, need_db, slots, n, x, traceable)
+
+        signature = None if not _eager(traceable, drop[3]) else (
+            x.shape, stride_x, stride_dy, n, x.dtype, dy.dtype, dx.dtype, x.device.index,
+            None if weight is None else weight.dtype, dw.dtype, db.dtype, need_db, is_rms, deterministic,
+            None if dres is None else dres.dtype, None if dr is None else dr.dtype, drop[4], drop[5])
+        launch_or_replay(_NORM_BACKWARD_CALLS, signature,
+                         (x, dy, dx, weight, mean, rstd, partial, locks, dres, dr, dw, db), launch,
+                         (drop[0], drop[1]), _SEED_WORDS)
+        return dx, dw, db
     else:
         # Wide rows: row terms, then (column block, row group) programs with exclusive buffers.
         c1 = torch.empty(m, device=x.device, dtype=torch.float32)
@@ -196,13 +231,18 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
             NEED_DB=need_db, **wide_cfg,
         )
     if need_partial:
-        sum_cfg = configs.dwdb(n, slots)
-        kernel_for(_layer_norm_bwd_dwdb_kernel, traceable=traceable)[(cdiv(n, sum_cfg["BLOCK_N"]),)](
-            partial, _or_unused(dw if need_dw else None, x, traceable),
-            _or_unused(db if need_db else None, x, traceable), slots, n, NEED_DW=need_dw, NEED_DB=need_db,
-            **sum_cfg,
-        )
+        _launch_dwdb(partial, dw, db, need_dw, need_db, slots, n, x, traceable)
     return dx, dw, db
+
+
+def _launch_dwdb(partial, dw, db, need_dw: bool, need_db: bool, slots: int, n: int, like, traceable: bool) -> None:
+    """dW/dB: the column sums of the backward's ``slots`` partial rows, cast as stored."""
+    sum_cfg = configs.dwdb(n, slots)
+    kernel_for(_layer_norm_bwd_dwdb_kernel, traceable=traceable)[(cdiv(n, sum_cfg["BLOCK_N"]),)](
+        partial, _or_unused(dw if need_dw else None, like, traceable),
+        _or_unused(db if need_db else None, like, traceable), slots, n, NEED_DW=need_dw, NEED_DB=need_db,
+        **sum_cfg,
+    )
 
 
 class _NormFunction(torch.autograd.Function):
@@ -368,12 +408,20 @@ def _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p
     cfg = dict(configs.add_dropout_norm_forward(n, dropout=dropout_p > 0))
     normalise_here = cfg.pop("SINGLE_PASS")
     drop = _dropout_kernel_args(dropout_p, seed, x, traceable)
-    kernel_for(_add_dropout_norm_fwd_kernel, traceable=traceable)[(cdiv(m, cfg["BLOCK_M"]),)](
-        x, _or_unused(residual, x, traceable), residual_out, y, _or_unused(weight, x, traceable),
-        _or_unused(bias, x, traceable), _or_unused(None if is_rms else mean, x, traceable), rstd, m, n, eps, *drop,
-        IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, DROPOUT=dropout_p > 0, NORM=normalise_here, **cfg,
-    )
+
+    def launch():
+        kernel_for(_add_dropout_norm_fwd_kernel, traceable=traceable)[(cdiv(m, cfg["BLOCK_M"]),)](
+            x, _or_unused(residual, x, traceable), residual_out, y, _or_unused(weight, x, traceable),
+            _or_unused(bias, x, traceable), _or_unused(None if is_rms else mean, x, traceable), rstd, m, n, eps,
+            *drop, IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None, DROPOUT=dropout_p > 0, NORM=normalise_here, **cfg,
+        )
+
+    signature = None if not _eager(traceable, drop[3]) else (
+        x.shape, x.dtype, None if residual is None else residual.dtype, residual_out.dtype, y.dtype, x.device.index,
+        None if weight is None else weight.dtype, None if bias is None else bias.dtype, eps, is_rms, dropout_p)
+    launch_or_replay(_ADD_DROPOUT_NORM_CALLS, signature, (x, residual, residual_out, y, weight, bias, mean, rstd),
+                     launch, (drop[0], drop[1]), _SEED_WORDS)
     if not normalise_here:  # rows wider than one tile: the chunked norm forward reads residual_out
         y, mean, rstd = _norm_fwd_impl(residual_out, weight, bias, eps, is_rms, y_dtype=y_dtype,
                                        traceable=traceable)
