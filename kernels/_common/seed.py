@@ -138,6 +138,11 @@ def draw_seed(device: torch.device) -> int:
     return int(torch.empty((), dtype=torch.int64).random_().item()) & _MASK64
 
 
+#: the Philox kernels' parameters holding the seed's key words: the ints a recorded launch takes anew on every call
+#: (``kernels._common.launch.Recording``)
+SEED_WORD_PARAMETERS = ("seed_lo", "seed_hi")
+
+
 def dropout_scalars(p: float, seed: Seed) -> tuple:
     """A Philox dropout kernel's scalar arguments for ``0 < p < 1``: ``(seed_lo, seed_hi, seed_tensor,
     threshold, scale)``. An int seed travels as its two key words (``seed_tensor`` None: the launcher passes

@@ -36,6 +36,7 @@ from kernels._common import (
 from kernels._common.launch import PreparedCache, TmaTensor, launch_or_replay, prepared_launches_enabled
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import (
+    SEED_WORD_PARAMETERS,
     Seed,
     dropout_scalars,
     key_words,
@@ -278,8 +279,6 @@ def _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, var
 #: recorded launches of eager calls, by call signature (``_eager_signature``)
 _FORWARD_CALLS = PreparedCache()
 _BACKWARD_CALLS = PreparedCache()
-#: the kernels' parameters that change from call to call: the dropout seed's key words
-_SEED_WORDS = ("seed_lo", "seed_hi")
 
 
 def _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, *extra):
@@ -316,7 +315,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
     signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable)
     launch_or_replay(_FORWARD_CALLS, signature, (q, k, v, o, lse),
                      lambda: _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable),
-                     _seed_words(dropout_p, seed) if signature else (), _SEED_WORDS)
+                     _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
     return o, lse
 
 
@@ -354,7 +353,7 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq, dk, dv),
                      lambda: _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed,
                                            varlen, traceable),
-                     _seed_words(dropout_p, seed) if signature else (), _SEED_WORDS)
+                     _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
     return dq, dk, dv
 
 

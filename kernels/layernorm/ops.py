@@ -41,7 +41,7 @@ from kernels._common import seed as seeds
 from kernels._common.autocast import autocast_dtype
 from kernels._common.launch import PreparedCache, launch_or_replay, prepared_launches_enabled
 from kernels._common.launch import kernels_from as swap_kernels
-from kernels._common.seed import Seed
+from kernels._common.seed import SEED_WORD_PARAMETERS, Seed
 from kernels.dropout.ops import _dropout_impl as dropout_impl
 from kernels.layernorm import configs
 from kernels.layernorm._kernels import (
@@ -100,8 +100,6 @@ def _or_unused(t: torch.Tensor | None, like: torch.Tensor, traceable: bool):
 _NORM_FORWARD_CALLS = PreparedCache()
 _NORM_BACKWARD_CALLS = PreparedCache()
 _ADD_DROPOUT_NORM_CALLS = PreparedCache()
-#: the kernels' parameters that change from call to call: the dropout seed's key words
-_SEED_WORDS = ("seed_lo", "seed_hi")
 
 
 def _eager(traceable: bool, seed_in_memory: int = 0) -> bool:
@@ -212,7 +210,7 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
             None if dres is None else dres.dtype, None if dr is None else dr.dtype, drop[4], drop[5])
         launch_or_replay(_NORM_BACKWARD_CALLS, signature,
                          (x, dy, dx, weight, mean, rstd, partial, locks, dres, dr, dw, db), launch,
-                         (drop[0], drop[1]), _SEED_WORDS)
+                         (drop[0], drop[1]), SEED_WORD_PARAMETERS)
         return dx, dw, db
     else:
         # Wide rows: row terms, then (column block, row group) programs with exclusive buffers.
@@ -421,7 +419,7 @@ def _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p
         x.shape, x.dtype, None if residual is None else residual.dtype, residual_out.dtype, y.dtype, x.device.index,
         None if weight is None else weight.dtype, None if bias is None else bias.dtype, eps, is_rms, dropout_p)
     launch_or_replay(_ADD_DROPOUT_NORM_CALLS, signature, (x, residual, residual_out, y, weight, bias, mean, rstd),
-                     launch, (drop[0], drop[1]), _SEED_WORDS)
+                     launch, (drop[0], drop[1]), SEED_WORD_PARAMETERS)
     if not normalise_here:  # rows wider than one tile: the chunked norm forward reads residual_out
         y, mean, rstd = _norm_fwd_impl(residual_out, weight, bias, eps, is_rms, y_dtype=y_dtype,
                                        traceable=traceable)
