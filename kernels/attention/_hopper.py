@@ -24,7 +24,7 @@ and base address are 16-byte aligned (TMA), padded head dims 64 and 128 (33-128;
 zeros and clips the store), no dropout, no packed batches, eager calls (under torch.compile the registered
 op runs the portable kernel). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
 (``configs.prefers_hopper_forward``: the default path takes padded D 128 on grids of two programs per SM
-or more); the backward is the portable kernel's.
+or more); the backward has its own kernel (``_hopper_bwd.py``).
 
 Trade-offs: masks are applied at run time per key block (a uniform branch), so blocks crossing a band edge
 or the end of K pay for the compare-and-select and interior blocks do not; 168 registers per thread leave

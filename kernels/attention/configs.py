@@ -162,7 +162,6 @@ HOPPER_FORWARD: dict[int, HopperForwardTile] = {
 
 class HopperBackwardTile(NamedTuple):
     stages: int  # Q/dO shared-memory ring slots (the key tile is 128 rows: two 64-row consumer warpgroups)
-    split_dq: bool  # each consumer computes half of dQ's columns over all 128 keys (else all columns, its 64 keys)
     consumer_regs: int  # registers per thread of each consumer warpgroup (setmaxnreg)
     producer_regs: int  # of the TMA producer warpgroup
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
@@ -171,8 +170,8 @@ class HopperBackwardTile(NamedTuple):
 #: Hopper backward tiles by padded head dim: dK and dV (64 x D fp32 per warpgroup), S^T and dP^T (64 x 64) and
 #: a dQ part must fit in 240 registers; K, V (128 x D), the Q/dO ring and dS^T in 227 KiB of shared memory.
 HOPPER_BACKWARD: dict[int, HopperBackwardTile] = {
-    64: HopperBackwardTile(2, True, 240, 24, 168),
-    128: HopperBackwardTile(2, True, 240, 24, 168),
+    64: HopperBackwardTile(2, 240, 24, 168),
+    128: HopperBackwardTile(2, 240, 24, 168),
 }
 
 
@@ -192,11 +191,17 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int) -> bool:
     return block_d == 128 and programs >= HOPPER_MIN_PROGRAMS_PER_SM * sms
 
 
-def prefers_hopper_backward() -> bool:
-    """Whether ``auto`` runs a supported backward call on the Hopper kernel: never yet. On an H100 (bf16, 3
-    interleaved rounds) it ran at 0.97-1.03x the portable backward at head dim 128 (S 2048-8192) and 0.92-0.96x at 64
-    (S 1024-4096); the ``hopper`` path still forces it."""
-    return False
+#: ``auto`` takes the Hopper backward when queries and keys both reach this length.
+HOPPER_BACKWARD_MIN_LENGTH = 4096
+
+
+def prefers_hopper_backward(sq: int, sk: int) -> bool:
+    """Whether ``auto`` runs a supported backward call on the Hopper kernel: when Sq and Sk both reach
+    :data:`HOPPER_BACKWARD_MIN_LENGTH`. On an H100 (bf16, interleaved rounds, two runs) it ran at 1.02-1.11x the
+    portable backward there (D 64 and 128, causal and not, S 4096-8192) and 0.98-1.02x at S 2048; on short sequences
+    its host time (seven TMA descriptors encoded per call) and per-program prologue make it slower (B2 H8 S1000
+    D128 causal: 0.39 against 0.12 ms)."""
+    return sq >= HOPPER_BACKWARD_MIN_LENGTH and sk >= HOPPER_BACKWARD_MIN_LENGTH
 
 
 def path() -> str:

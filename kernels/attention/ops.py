@@ -158,11 +158,12 @@ def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
 
 
 _GLUON_DTYPES = {torch.float16: _hopper.gl.float16, torch.bfloat16: _hopper.gl.bfloat16}
+_SHARED_DTYPES = {**_GLUON_DTYPES, torch.float32: _hopper.gl.float32}
 
 
 @functools.lru_cache(maxsize=64)
 def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
-    return _hopper.gl.NVMMASharedLayout.get_default_for(list(block), _GLUON_DTYPES[dtype])
+    return _hopper.gl.NVMMASharedLayout.get_default_for(list(block), _SHARED_DTYPES[dtype])
 
 
 def _descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TmaTensor:
@@ -189,10 +190,12 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
                          varlen=None, deterministic: bool = False) -> bool:
     """Whether a backward call on these tensors runs the Hopper kernel (``kernels/attention/_hopper_bwd.py``) rather
     than the portable one: sm_90, fp16/bf16, dense batches, no dropout, head dims with a Hopper tile, tensors TMA can
-    read in place, and ``deterministic`` False (the Hopper kernel adds dQ up with atomics); of those calls the
-    ``hopper`` path takes all and ``auto`` none (``configs.prefers_hopper_backward``)."""
+    read in place, and ``deterministic`` False (the Hopper kernel sums dQ by TMA reductions in arrival order); of
+    those calls the ``hopper`` path takes all and ``auto`` long sequences (``configs.prefers_hopper_backward``)."""
     path = configs.path()
-    if path == "portable" or (path == "auto" and not configs.prefers_hopper_backward()) or deterministic:
+    if path == "portable" or deterministic:
+        return False
+    if path == "auto" and not configs.prefers_hopper_backward(q.shape[-2], k.shape[-2]):
         return False
     if varlen is not None or dropout_p != 0.0 or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
         return False
@@ -212,9 +215,10 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right
     grid = (cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv)
     kernel_for(_hopper_bwd._attn_bwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), _descriptor(do, block),
-        _descriptor(dk, block), _descriptor(dv, block), dq_acc, lse, delta, lse.stride(0), lse.stride(1),
-        hq, hkv, hq // hkv, sq, sk, scale, *band, **band_flags, BLOCK_D=bd, STAGES=t.stages, SPLIT_DQ=t.split_dq,
-        CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs, num_warps=4, maxnreg=t.maxnreg,
+        _descriptor(dk, block), _descriptor(dv, block), _descriptor(dq_acc, (1, 1, _hopper_bwd.QUERY_ROWS,
+                                                                            _hopper_bwd.DQ_TILE)),
+        lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, **band_flags, BLOCK_D=bd,
+        STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs, num_warps=4, maxnreg=t.maxnreg,
     )
 
 
@@ -544,7 +548,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     backward (``kernels/attention/_hopper_bwd.py``); the environment variable ``FUSED_KERNELS_ATTENTION_PATH``
     (``auto``, ``hopper``, ``portable``) overrides the choice. Both paths compute the same attention to rounding.
 
-    The Hopper backward adds dQ up with fp32 atomics, so its dQ can differ in the last bits from run to run;
+    The Hopper backward adds dQ up with fp32 TMA reductions in arrival order, so its dQ can differ in the last bits
+    from run to run;
     ``deterministic=True`` takes the portable backward, which is bitwise reproducible (as are dK and dV, and
     every gradient on other GPUs and under torch.compile).
     """
