@@ -34,7 +34,7 @@ Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place 
 and the base 16-byte aligned), padded head dims 64 and 128, no dropout, no packed batches, eager calls.
 ``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
 
-Speed: on an H100 (bf16) 0.98-1.11x the portable backward at S 2048-8192 and 0.85-0.92x cuDNN; the default path takes
+Speed: on an H100 (bf16) 1.02-1.09x the portable backward at S 2048-8192 and 0.82-0.93x cuDNN; the default path takes
 it from 4096 queries and keys on (``configs.prefers_hopper_backward``). Each consumer waits on every wgmma it
 issues, so nothing overlaps the softmax inside a warpgroup; issuing dP^T before P^T is computed (0.95-1.02x) and
 computing dQ one query block late so that the consumers need not wait on each other (0.95-1.00x) were measured and
