@@ -234,6 +234,18 @@ def test_lock_mode_is_right_on_every_repeat(m, n):
         torch.testing.assert_close(db.double(), db_ref, rtol=1e-4, atol=1e-3)
 
 
+def test_the_cached_backward_workspace_is_reused_and_left_with_zero_locks_and_flags():
+    """Eager backwards on one stream share their partial rows, locks and first-write flags; each leaves the locks
+    and flags zero (the final-sum kernel resets the flags), which the next one relies on."""
+    x, w, b, dy = _inputs(40, 64, torch.float32)
+    ops._WORKSPACES.clear()
+    for _ in range(3):
+        _run(lambda t, *p: layer_norm(t, 64, *p), x, [w, b], dy)
+    ((partial, locks),) = ops._WORKSPACES.values()
+    assert partial.dtype == torch.float32 and locks.dtype == torch.int32
+    assert torch.count_nonzero(locks).item() == 0
+
+
 def test_modules_are_drop_ins_with_the_same_state_dict():
     torch_ln = torch.nn.LayerNorm((4, 6), eps=1e-6, device=DEVICE)
     torch.nn.init.normal_(torch_ln.weight)

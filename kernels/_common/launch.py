@@ -55,6 +55,13 @@ def _current_raw_stream(device: int) -> int:
     return _RAW_STREAM(device) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream
 
 
+def current_stream_handle(device: torch.device) -> int:
+    """The handle of ``device``'s current stream (0 off CUDA: the interpreter runs in program order)."""
+    if device.type != "cuda":
+        return 0
+    return _current_raw_stream(device.index if device.index is not None else _current_device())
+
+
 def _current_device() -> int:
     """The current CUDA device's index; torch's C entry point (``torch.cuda.current_device`` adds a Python
     lazy-init check, and CUDA is initialised by the time a launch has CUDA tensors to pass)."""

@@ -389,7 +389,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
     the cumulative lengths None for dense batches."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *args):
+    def forward(ctx, q, k, v, args):
+        # the non-tensor arguments travel as one tuple: each argument of ``apply`` costs host time
         *band_drop, cu_q, cu_k, max_sq, max_sk, deterministic = args
         varlen = _varlen(cu_q, cu_k, max_sq, max_sk)
         o, lse = _fwd_impl(q, k, v, *band_drop, varlen)
@@ -402,7 +403,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, *ctx.args, ctx.varlen, deterministic=ctx.deterministic)
-        return dq, dk, dv, *([None] * 10)
+        return dq, dk, dv, None
 
 
 @triton_op(f"{LIBRARY_NAMESPACE}::flash_attn_fwd", mutates_args=())
@@ -456,7 +457,7 @@ def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max
         return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, left, right, scale, dropout_p, *op_seed_args(seed),
                                                       cu_q, cu_k, max_sq, max_sk)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlashAttentionFunction.apply(q, k, v, *args)
+        return _FlashAttentionFunction.apply(q, k, v, args)
     # Nothing to differentiate: skip autograd.Function.apply, whose host cost is a sizeable part of a
     # short forward's (scripts/probe_attention_bwd_fusion.py, section 1).
     return _fwd_impl(q, k, v, left, right, scale, dropout_p, seed, _varlen(cu_q, cu_k, max_sq, max_sk))

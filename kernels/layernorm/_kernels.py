@@ -16,7 +16,9 @@ Implements:
   ``_layer_norm_bwd_columns_kernel`` gives each program a column block and a group of rows, writes dx
   and sums dW/dB for its columns in registers, one exclusive buffer per row group (deterministic in
   both modes). It reads x and dy twice: 5 passes of M*N instead of 3.
-- ``_layer_norm_bwd_dwdb_kernel``: sums the buffers in buffer order into dW and dB.
+- ``_layer_norm_bwd_dwdb_kernel``: sums the buffers in buffer order into dW and dB, and zeroes the locked
+  backward's first-write flags, so that the launcher can keep one lock buffer per stream instead of zeroing one
+  per call.
 - ``_add_dropout_norm_fwd_kernel``: the pre-norm block's ``residual_out = dropout(x) + residual``, then its
   norm, in one program, with the mask of ``kernels.dropout.dropout``. ``CHUNK_TILE`` (power-of-two rows,
   tiles of whole dropout chunks): one pass, the mask drawn in the tile's layout (``tile_keep_factor``).
@@ -551,14 +553,24 @@ def _layer_norm_bwd_dwdb_kernel(
     partial_ptr,  # (slots, 2, N) fp32
     dw_ptr,  # (N,) dW in the weight's dtype, or dummy
     db_ptr,  # (N,) dB in the bias's dtype, or dummy
+    lock_ptr,  # (2 * slots,) int32: the backward's spin locks, then its first-write flags (RESET_FLAGS), or dummy
     slots,
     N,
     NEED_DW: tl.constexpr,
     NEED_DB: tl.constexpr,
+    RESET_FLAGS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Sum the buffers in slot order: a fixed order, so the result depends only on the buffers."""
+    """Sum the buffers in slot order: a fixed order, so the result depends only on the buffers.
+
+    With RESET_FLAGS, program 0 also zeroes the backward's first-write flags (its spin locks are zero again
+    once released), so the lock buffer is ready for the next backward on this stream without a fill."""
+    if RESET_FLAGS:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if tl.program_id(0) == 0:
+            for f0 in range(0, slots, BLOCK_S):
+                flags = f0 + tl.arange(0, BLOCK_S)
+                tl.store(lock_ptr + slots + flags, tl.zeros([BLOCK_S], dtype=tl.int32), mask=flags < slots)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     acc_w = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)

@@ -39,7 +39,12 @@ from kernels._common import (
 )
 from kernels._common import seed as seeds
 from kernels._common.autocast import autocast_dtype
-from kernels._common.launch import PreparedCache, launch_or_replay, prepared_launches_enabled
+from kernels._common.launch import (
+    PreparedCache,
+    current_stream_handle,
+    launch_or_replay,
+    prepared_launches_enabled,
+)
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import SEED_WORD_PARAMETERS, Seed
 from kernels.dropout.ops import _dropout_impl as dropout_impl
@@ -188,10 +193,8 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         dropout_on = drop[-2] != 0
         cfg = configs.add_dropout_norm_backward(n) if dropout_on else {**configs.backward(n), "CHUNK_TILE": False}
         programs, rows_per_program, slots = configs.backward_grid(m, cfg, sms, deterministic)
-        partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
-        # Locks, then first-write flags: one zeroed allocation (lock mode only).
-        locks = None if deterministic or not need_partial else torch.zeros(
-            2 * slots, device=x.device, dtype=torch.int32)
+        partial, locks = _backward_workspace(x.device, slots, n, need_partial, not deterministic and need_partial,
+                                             traceable)
 
         def launch():
             kernel_for(_layer_norm_bwd_kernel, traceable=traceable)[(programs,)](
@@ -202,7 +205,7 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
                 HAS_DRES=dres is not None, STORE_DR=dr is not None, DROPOUT=dropout_on, **cfg,
             )
             if need_partial:
-                _launch_dwdb(partial, dw, db, need_dw, need_db, slots, n, x, traceable)
+                _launch_dwdb(partial, dw, db, need_dw, need_db, slots, n, x, traceable, locks)
 
         signature = None if not _eager(traceable, drop[3]) else (
             x.shape, stride_x, stride_dy, n, x.dtype, dy.dtype, dx.dtype, x.device.index,
@@ -233,14 +236,50 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
     return dx, dw, db
 
 
-def _launch_dwdb(partial, dw, db, need_dw: bool, need_db: bool, slots: int, n: int, like, traceable: bool) -> None:
-    """dW/dB: the column sums of the backward's ``slots`` partial rows, cast as stored."""
+def _launch_dwdb(partial, dw, db, need_dw: bool, need_db: bool, slots: int, n: int, like, traceable: bool,
+                 locks=None) -> None:
+    """dW/dB: the column sums of the backward's ``slots`` partial rows, cast as stored; with ``locks`` (the
+    locked backward's), it also zeroes their first-write flags for the next backward."""
     sum_cfg = configs.dwdb(n, slots)
     kernel_for(_layer_norm_bwd_dwdb_kernel, traceable=traceable)[(cdiv(n, sum_cfg["BLOCK_N"]),)](
         partial, _or_unused(dw if need_dw else None, like, traceable),
-        _or_unused(db if need_db else None, like, traceable), slots, n, NEED_DW=need_dw, NEED_DB=need_db,
-        **sum_cfg,
+        _or_unused(db if need_db else None, like, traceable), _or_unused(locks, like, traceable), slots, n,
+        NEED_DW=need_dw, NEED_DB=need_db, RESET_FLAGS=locks is not None, **sum_cfg,
     )
+
+
+#: eager backward workspaces (partial dW/dB rows, locks and flags), by (device, stream, slots, N, locked)
+_WORKSPACES: dict[tuple, tuple] = {}
+_WORKSPACE_LIMIT = 32
+
+
+def _backward_workspace(device: torch.device, slots: int, n: int, need_partial: bool, locked: bool,
+                        traceable: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(partial, locks)`` of the single-kernel backward: ``(slots, 2, n)`` fp32 partial rows (None without
+    dW/dB) and ``2 * slots`` int32 locks then first-write flags, zero on entry (None unless ``locked``).
+
+    An eager call takes them from a cache kept per device and stream: work on one stream runs in order, the
+    locks are zero again once released and the final-sum kernel zeroes the flags, so the next backward on the
+    stream finds them ready. That saves an allocation and a fill launch per backward (the zeroing alone,
+    ``torch.zeros``, cost 10 us of host time at (8, 1024) on the H100 machine's host, 23 us inside a GPT
+    step). Traced calls and calls during CUDA graph capture allocate their own (a graph keeps the addresses
+    it captured)."""
+    if not need_partial:
+        return None, None
+    if traceable or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        partial = torch.empty((slots, 2, n), device=device, dtype=torch.float32)
+        return partial, torch.zeros(2 * slots, device=device, dtype=torch.int32) if locked else None
+    stream = current_stream_handle(device)
+    key = (device, stream, slots, n, locked)
+    workspace = _WORKSPACES.get(key)
+    if workspace is None:
+        if len(_WORKSPACES) >= _WORKSPACE_LIMIT:
+            # freed buffers go back to the caching allocator, which reuses them in stream order
+            _WORKSPACES.clear()
+        partial = torch.empty((slots, 2, n), device=device, dtype=torch.float32)
+        locks = torch.zeros(2 * slots, device=device, dtype=torch.int32) if locked else None
+        workspace = _WORKSPACES[key] = (partial, locks)
+    return workspace
 
 
 class _NormFunction(torch.autograd.Function):
@@ -461,7 +500,9 @@ class _AddDropoutNormFunction(torch.autograd.Function):
     M each); the dropout mask is drawn again from the seed in the backward."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype, y_dtype, deterministic):
+    def forward(ctx, x, residual, weight, bias, options):
+        # the non-tensor arguments travel as one tuple: each argument of ``apply`` costs host time
+        eps, is_rms, dropout_p, seed, residual_dtype, y_dtype, deterministic = options
         w, b = _flat(weight), _flat(bias)
         y, residual_out, mean, rstd = _add_dropout_norm_fwd_impl(x, residual, w, b, eps, is_rms, dropout_p, seed,
                                                                  residual_dtype, y_dtype)
@@ -484,7 +525,7 @@ class _AddDropoutNormFunction(torch.autograd.Function):
             x_dtype, has_residual, grad_dtypes=ctx.grad_dtypes)
         x_shape, w_shape, b_shape = ctx.shapes
         return (_shaped(dx, x_shape), _shaped(dresidual, x_shape), None if w is None else _shaped(dw, w_shape),
-                _shaped(db, b_shape) if need_db else None, None, None, None, None, None, None, None)
+                _shaped(db, b_shape) if need_db else None, None)
 
 
 @triton_op(f"{LIBRARY_NAMESPACE}::add_dropout_norm_fwd", mutates_args=())
@@ -601,8 +642,8 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, weight, bias))
     if needs_grad:
-        return _AddDropoutNormFunction.apply(x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype,
-                                             y_dtype, deterministic)
+        return _AddDropoutNormFunction.apply(x, residual, weight, bias,
+                                             (eps, is_rms, dropout_p, seed, residual_dtype, y_dtype, deterministic))
     y, residual_out, _, _ = _add_dropout_norm_fwd_impl(x, residual, _flat(weight), _flat(bias), eps, is_rms,
                                                        dropout_p, seed, residual_dtype, y_dtype)
     return y, residual_out
