@@ -248,9 +248,12 @@ def _launch_dwdb(partial, dw, db, need_dw: bool, need_db: bool, slots: int, n: i
     )
 
 
-#: eager backward workspaces (partial dW/dB rows, locks and flags), by (device, stream, slots, N, locked)
+#: eager backward workspaces (partial dW/dB rows, locks and flags), by (device, stream, slots, N, locked); at most
+#: 16 of at most 4 MiB of partial rows each (larger ones, e.g. deterministic at large N, are allocated per call,
+#: where the allocation is small beside the kernel's time), so what the cache holds stays bounded
 _WORKSPACES: dict[tuple, tuple] = {}
-_WORKSPACE_LIMIT = 32
+_WORKSPACE_LIMIT = 16
+_WORKSPACE_MAX_BYTES = 4 << 20
 
 
 def _backward_workspace(device: torch.device, slots: int, n: int, need_partial: bool, locked: bool,
@@ -262,11 +265,12 @@ def _backward_workspace(device: torch.device, slots: int, n: int, need_partial: 
     locks are zero again once released and the final-sum kernel zeroes the flags, so the next backward on the
     stream finds them ready. That saves an allocation and a fill launch per backward (the zeroing alone,
     ``torch.zeros``, cost 10 us of host time at (8, 1024) on the H100 machine's host, 23 us inside a GPT
-    step). Traced calls and calls during CUDA graph capture allocate their own (a graph keeps the addresses
-    it captured)."""
+    step). Traced calls, calls during CUDA graph capture (a graph keeps the addresses it captured) and workspaces
+    over ``_WORKSPACE_MAX_BYTES`` allocate their own."""
     if not need_partial:
         return None, None
-    if traceable or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if (traceable or slots * 2 * n * 4 > _WORKSPACE_MAX_BYTES
+            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
         partial = torch.empty((slots, 2, n), device=device, dtype=torch.float32)
         return partial, torch.zeros(2 * slots, device=device, dtype=torch.int32) if locked else None
     stream = current_stream_handle(device)
