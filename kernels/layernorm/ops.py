@@ -269,20 +269,21 @@ def _backward_workspace(device: torch.device, slots: int, n: int, need_partial: 
     over ``_WORKSPACE_MAX_BYTES`` allocate their own."""
     if not need_partial:
         return None, None
+
+    def fresh():
+        return (torch.empty((slots, 2, n), device=device, dtype=torch.float32),
+                torch.zeros(2 * slots, device=device, dtype=torch.int32) if locked else None)
+
     if (traceable or slots * 2 * n * 4 > _WORKSPACE_MAX_BYTES
             or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
-        partial = torch.empty((slots, 2, n), device=device, dtype=torch.float32)
-        return partial, torch.zeros(2 * slots, device=device, dtype=torch.int32) if locked else None
-    stream = current_stream_handle(device)
-    key = (device, stream, slots, n, locked)
+        return fresh()
+    key = (device, current_stream_handle(device), slots, n, locked)
     workspace = _WORKSPACES.get(key)
     if workspace is None:
         if len(_WORKSPACES) >= _WORKSPACE_LIMIT:
             # freed buffers go back to the caching allocator, which reuses them in stream order
             _WORKSPACES.clear()
-        partial = torch.empty((slots, 2, n), device=device, dtype=torch.float32)
-        locks = torch.zeros(2 * slots, device=device, dtype=torch.int32) if locked else None
-        workspace = _WORKSPACES[key] = (partial, locks)
+        workspace = _WORKSPACES[key] = fresh()
     return workspace
 
 
