@@ -358,3 +358,92 @@ def test_a_replay_refuses_a_misaligned_tensor_and_builds_the_launch_anew():
     got = flash_attention(*shifted, causal=True)
     expected = flash_attention(*[t.clone() for t in shifted], causal=True)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _plan_cases():
+    """Calls of the ops that store checked plans (``kernels._common.eager``), small enough for the interpreter:
+    name -> (run(*inputs, seed), inputs)."""
+    from kernels.attention import flash_attention
+    from kernels.layernorm import add_dropout_norm
+
+    def randn(*shape):
+        return torch.randn(*shape, device=DEVICE)
+
+    return {
+        "add_dropout_norm": (lambda x, r, w, b, s: add_dropout_norm(x, r, w, b, dropout_p=0.25, seed=s),
+                             [randn(6, 32), randn(6, 32), randn(32), randn(32)]),
+        "add_dropout_norm rms": (lambda x, w, s: add_dropout_norm(x, None, w, kind="rms", eps=None, seed=s),
+                                 [randn(3, 2, 32), randn(32)]),
+        "flash_attention": (lambda q, k, v, s: flash_attention(q, k, v, causal=True, dropout_p=0.25, seed=s,
+                                                               window_size=(8, 4)),
+                            [randn(1, 2, 24, 16), randn(1, 1, 24, 16), randn(1, 1, 24, 16)]),
+    }
+
+
+def _plan_caches():
+    import kernels.attention.ops as attention_ops
+    import kernels.layernorm.ops as layernorm_ops
+
+    return [attention_ops._PLANS, layernorm_ops._ADD_DROPOUT_NORM_PLANS]
+
+
+def test_checked_plans_give_what_the_checks_give(monkeypatch):
+    """A call that takes a stored plan must give, bit for bit, what the same call gives after checking its arguments,
+    forward and gradients, an explicit seed and a drawn one (``seed=None`` under ``torch.manual_seed``); and plans
+    must really be stored and taken."""
+    import kernels._common.eager as eager
+
+    for name, (run, inputs) in _plan_cases().items():
+        for seed in (5, None):
+            for cache in _plan_caches():  # earlier tests leave plans behind
+                cache.clear()
+            monkeypatch.setattr(eager, "EAGER_PLANS", False)
+            torch.manual_seed(1)
+            expected = [_gradients_of(run, inputs, seed) for _ in range(2)]
+            assert not any(cache._entries for cache in _plan_caches()), name
+            monkeypatch.setattr(eager, "EAGER_PLANS", True)
+            torch.manual_seed(1)
+            got = [_gradients_of(run, inputs, seed) for _ in range(2)]  # the first call stores, the second takes
+            for g_call, e_call in zip(got, expected, strict=True):
+                for g, e in zip(g_call, e_call, strict=True):
+                    assert torch.equal(g, e), f"{name}, seed {seed}"
+            assert sum(len(cache._entries) for cache in _plan_caches()) == 1, name
+
+
+def test_a_stored_plan_leaves_no_argument_unchecked():
+    """Arguments equal as dict keys but refused by the checks (``True == 1``), seeds out of range and values a plan
+    does not cover must still raise after a plan was stored for their look-alikes; grad mode and autocast are read
+    anew."""
+    from kernels.attention import flash_attention
+    from kernels.layernorm import add_dropout_norm
+
+    x, r, w = torch.randn(4, 32, device=DEVICE), torch.randn(4, 32, device=DEVICE), torch.randn(32, device=DEVICE)
+    for _ in range(2):  # the second round takes the plans the first stored
+        add_dropout_norm(x, r, w, eps=1, dropout_p=0)
+        with pytest.raises(TypeError, match="eps"):
+            add_dropout_norm(x, r, w, eps=True, dropout_p=0)
+        with pytest.raises(TypeError, match="dropout_p"):
+            add_dropout_norm(x, r, w, eps=1, dropout_p=False)
+        for seed in (-1, 2**64):
+            with pytest.raises(ValueError, match="seed"):
+                add_dropout_norm(x, r, w, eps=1, dropout_p=0, seed=seed)
+    q = torch.randn(1, 2, 16, 16, device=DEVICE)
+    for _ in range(2):
+        flash_attention(q, q, q, window_size=(1, 0), softmax_scale=1)
+        with pytest.raises(TypeError, match="window_size"):
+            flash_attention(q, q, q, window_size=(True, 0), softmax_scale=1)
+        with pytest.raises(TypeError, match="softmax_scale"):
+            flash_attention(q, q, q, window_size=(1, 0), softmax_scale=True)
+        with pytest.raises(ValueError, match="seed"):
+            flash_attention(q, q, q, window_size=(1, 0), softmax_scale=1, dropout_p=0.5, seed=-1)
+
+    leaf = x.clone().requires_grad_(True)
+    for _ in range(2):
+        assert add_dropout_norm(leaf, r, w)[0].grad_fn is not None
+        with torch.no_grad():
+            assert add_dropout_norm(leaf, r, w)[0].grad_fn is None
+    q32 = q.clone().requires_grad_(True)
+    for _ in range(2):
+        assert flash_attention(q32, q32, q32).dtype == torch.float32
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            assert flash_attention(q32, q32, q32).dtype == torch.bfloat16

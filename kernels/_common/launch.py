@@ -394,6 +394,15 @@ class PreparedCache:
         self._entries[signature] = prepared
 
 
+def replayed(cache: PreparedCache, signature, tensors: tuple, ints: tuple = ()) -> bool:
+    """Whether the launches recorded for ``signature`` ran now for ``tensors`` and ``ints``: an op asks this before
+    it builds anything else for its launches, and builds them (``launch_or_replay``) only when the answer is no."""
+    if signature is None:
+        return False
+    replay = cache.get(signature)
+    return bool(replay) and replay(tensors, ints)
+
+
 def launch_or_replay(cache: PreparedCache, signature, tensors: tuple, launch: Callable[[], None],
                      ints: tuple = (), int_names: tuple[str, ...] = ()) -> None:
     """``launch()``, recorded the first time ``signature`` is seen and replayed for ``tensors`` and ``ints`` after

@@ -33,6 +33,8 @@ from kernels._common import (
     nothing_to_launch,
     unused_pointer,
 )
+from kernels._common.autocast import autocast_dtype
+from kernels._common.eager import PlanCache, autocast_key, function_apply, plans_apply, tensor_key
 from kernels._common.launch import PreparedCache, TmaTensor, launch_or_replay, prepared_launches_enabled
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import (
@@ -451,13 +453,13 @@ flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max_sq=0, max_sk=0,
-         deterministic=False):
+         deterministic=False, apply=_FlashAttentionFunction.apply):
     args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk, deterministic)
     if torch.compiler.is_compiling():
         return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, left, right, scale, dropout_p, *op_seed_args(seed),
                                                       cu_q, cu_k, max_sq, max_sk)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlashAttentionFunction.apply(q, k, v, args)
+        return apply(q, k, v, args)
     # Nothing to differentiate: skip autograd.Function.apply, whose host cost is a sizeable part of a
     # short forward's (scripts/probe_attention_bwd_fusion.py, section 1).
     return _fwd_impl(q, k, v, left, right, scale, dropout_p, seed, _varlen(cu_q, cu_k, max_sq, max_sk))
@@ -554,14 +556,53 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     ``deterministic=True`` takes the portable backward, which is bitwise reproducible (as are dK and dV, and
     every gradient on other GPUs and under torch.compile).
     """
+    plans = plans_apply()
+    key = None
+    if plans and (seed is None or (type(seed) is int and 0 <= seed < _SEED_LIMIT)):
+        key = _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, deterministic)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            o, lse = _run_plan(plan, q, k, v, seed)
+            return (o, lse) if return_lse else o
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)
     _validate(q, k, v)
     left, right = _window(window_size, bool(causal))
-    dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
+    dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
+    seed = check_seed("seed", seed)
     scale = _scale(softmax_scale, q.shape[3])
-    o, lse = _run(q, k, v, left, right, scale, dropout_p, seed, deterministic=bool(deterministic))
+    plan = (autocast_dtype("attention", q.device.type), left, right, scale, dropout_p, bool(deterministic))
+    _PLANS.put(key, plan)
+    o, lse = _run_plan(plan, q, k, v, seed, _apply if plans else _FlashAttentionFunction.apply)
     return (o, lse) if return_lse else o
+
+
+#: checked eager calls of ``flash_attention`` (``kernels._common.eager``): plan key -> ``(autocast dtype, left,
+#: right, scale, dropout_p, deterministic)``
+_PLANS = PlanCache()
+_apply = function_apply(_FlashAttentionFunction)
+_SEED_LIMIT = 1 << 64
+
+
+def _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, deterministic) -> tuple | None:
+    """What the checks of a ``flash_attention`` call read (``kernels._common.eager``), or None (no plan) for a
+    window that is not a tuple of two plain ints. The strides are not in it: the checks do not read them."""
+    if type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int or type(
+            window_size[1]) is not int:
+        return None
+    return (tensor_key(q), tensor_key(k), tensor_key(v), causal, softmax_scale, type(softmax_scale), dropout_p,
+            type(dropout_p), window_size, deterministic, torch.is_grad_enabled(), autocast_key("cuda"),
+            autocast_key("cpu"))
+
+
+def _run_plan(plan: tuple, q, k, v, seed: int | None, apply=_apply):
+    """``(o, lse)`` of a call with checked arguments ``plan``: q, k, v cast as autocast casts them, the seed drawn
+    (``seed=None`` with dropout), then ``_run``."""
+    cast_dtype, left, right, scale, dropout_p, deterministic = plan
+    if cast_dtype is not None:
+        q, k, v = autocast_cast("attention", q, k, v)
+    seed = seed_for_call(seed, q.device) if dropout_p > 0 else 0
+    return _run(q, k, v, left, right, scale, dropout_p, seed, deterministic=deterministic, apply=apply)
 
 
 def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:

@@ -95,16 +95,19 @@ def override(**changes) -> Iterator[Settings]:
     global _active
     saved = _active
     _active = dataclasses.replace(saved, **changes)
-    _forward_cached.cache_clear()
-    _backward_cached.cache_clear()
+    _clear_caches()
     forget_recorded_launches()  # eager calls replay launches recorded with the other settings
     try:
         yield _active
     finally:
         _active = saved
         forget_recorded_launches()
-        _forward_cached.cache_clear()
-        _backward_cached.cache_clear()
+        _clear_caches()
+
+
+def _clear_caches() -> None:
+    for cached in (_forward_cached, _backward_cached, _add_dropout_norm_forward_cached, _fused_backward_plan_cached):
+        cached.cache_clear()
 
 
 def _forward(n) -> dict:
@@ -123,7 +126,11 @@ def add_dropout_norm_forward(n, dropout: bool = True) -> dict:
     """Launch parameters of the fused residual + dropout + norm forward for rows of ``n``: ``SINGLE_PASS``
     (for the launcher) when the kernel normalises the rows itself, else it only writes residual_out, one
     row per program, and the chunked norm forward follows; ``CHUNK_TILE`` when each tile is whole dropout
-    chunks (the one-pass kernel)."""
+    chunks (the one-pass kernel). One shared dict per plain-int ``n`` (never mutate it), as ``forward``."""
+    return _add_dropout_norm_forward_cached(n, dropout) if type(n) is int else _add_dropout_norm_forward(n, dropout)
+
+
+def _add_dropout_norm_forward(n, dropout: bool) -> dict:
     s = _active
     if n > s.max_fused_fwd:
         return {"BLOCK_M": 1, "BLOCK_N": 16, "SINGLE_PASS": False, "CHUNK_TILE": False, "num_warps": 4}
@@ -161,6 +168,7 @@ def _backward(n) -> dict:
 
 _forward_cached = functools.cache(_forward)
 _backward_cached = functools.cache(_backward)
+_add_dropout_norm_forward_cached = functools.cache(_add_dropout_norm_forward)
 
 
 def forward(n) -> dict:
@@ -201,6 +209,23 @@ def add_dropout_norm_backward(n) -> dict:
 def backward(n) -> dict:
     """Launch parameters of the single-kernel backward for rows of ``n`` (shared dict, as ``forward``)."""
     return _backward_cached(n) if type(n) is int else _backward(n)
+
+
+def fused_backward_plan(m, n, dropout: bool, deterministic: bool, sms: int) -> tuple[dict, int, int, int]:
+    """``(launch parameters, programs, rows per program, partial buffers)`` of the single-kernel backward for
+    ``m`` rows of ``n``, with or without a dropout mask; cached for plain ints (the eager backward asks on every
+    call: its Python was a sizeable part of the call's host time)."""
+    if type(m) is int and type(n) is int:
+        return _fused_backward_plan_cached(m, n, dropout, deterministic, sms)
+    return _fused_backward_plan(m, n, dropout, deterministic, sms)
+
+
+def _fused_backward_plan(m, n, dropout: bool, deterministic: bool, sms: int) -> tuple[dict, int, int, int]:
+    cfg = add_dropout_norm_backward(n) if dropout else {**backward(n), "CHUNK_TILE": False}
+    return cfg, *backward_grid(m, cfg, sms, deterministic)
+
+
+_fused_backward_plan_cached = functools.lru_cache(maxsize=1024)(_fused_backward_plan)
 
 
 def backward_grid(m: int, cfg: dict, sms: int, deterministic: bool) -> tuple[int, int, int]:
