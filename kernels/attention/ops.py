@@ -399,10 +399,15 @@ class _FlashAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args, ctx.varlen, ctx.deterministic = tuple(band_drop), varlen, deterministic
         ctx.mark_non_differentiable(lse)
+        # lse's gradient stays None: materialised, it would cost a zeros tensor (an allocation and a fill launch)
+        # per backward
+        ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
+        if do is None:  # o unused downstream: nothing flows back
+            return None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, *ctx.args, ctx.varlen, deterministic=ctx.deterministic)
         return dq, dk, dv, None
