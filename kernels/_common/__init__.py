@@ -1,5 +1,6 @@
 """Mechanics shared by every kernel family: interpreter detection and device dispatch, the
-argument checks, the Philox generator, seeds and the ``torch.library`` namespace."""
+argument checks and the plans that run them once per call signature (``eager``), the Philox generator, seeds and
+the ``torch.library`` namespace."""
 
 from kernels._common.autocast import autocast_cast
 from kernels._common.launch import (

@@ -5,7 +5,8 @@ registered ops ``fused_kernels::flash_attn_fwd`` / ``flash_attn_bwd``, which sha
 CPU tensors without the Triton interpreter run the twin ``reference.attention``.
 
 Launch configurations (tiles, warps, stages, one or two backward launches) come from the table in
-``kernels.attention.configs``.
+``kernels.attention.configs``. An eager ``flash_attention`` call checks its arguments once per call signature
+(``kernels._common.eager``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ torch.compile the public functions call the registered ops, which share the impl
 ``x`` is the input viewed as ``(M, N)`` rows. On CPU tensors without the Triton interpreter the twin
 ``reference.layernorm`` runs.
 
-Launch configurations (tiles, warps, grids) come from ``kernels.layernorm.configs``.
+Launch configurations (tiles, warps, grids) come from ``kernels.layernorm.configs``. An eager
+``add_dropout_norm`` call checks its arguments once per call signature (``kernels._common.eager``).
 """
 
 from __future__ import annotations
