@@ -442,6 +442,9 @@ def test_a_stored_plan_leaves_no_argument_unchecked():
         assert add_dropout_norm(leaf, r, w)[0].grad_fn is not None
         with torch.no_grad():
             assert add_dropout_norm(leaf, r, w)[0].grad_fn is None
+    # flags that are not plain bools take the checks (bool() per call) and give what the bools give
+    for _ in range(2):
+        assert torch.equal(flash_attention(q, q, q, causal=1), flash_attention(q, q, q, causal=True))
     q32 = q.clone().requires_grad_(True)
     for _ in range(2):
         assert flash_attention(q32, q32, q32).dtype == torch.float32

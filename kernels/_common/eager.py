@@ -10,7 +10,8 @@ and later calls with the same key take the plan without checking again. The key 
 the derived values read: each tensor argument's type, shape, dtype, device and ``requires_grad``, every other
 argument with its type (``True == 1`` in a dict key; the checks refuse a bool where a number is due), the grad
 mode and the autocast state. A call whose arguments the checks refuse stores no plan, so it raises every time.
-Values that change per call (the seed) are not in the key and are checked per call.
+Values that change per call (the seed) are not in the key and are checked per call; flags that are not plain bools
+(read with ``bool()``) and windows that are not tuples of ints take the checks every time (:func:`plannable`).
 
 Limits: plans apply to eager calls only (not while torch.compile traces, not under a functorch transform such as
 ``vmap``, which needs ``autograd.Function.apply``'s own path); ``FUSED_KERNELS_EAGER_PLANS=0`` turns them off, so
@@ -32,6 +33,18 @@ _functorch_active = torch._C._are_functorch_transforms_active
 def plans_apply() -> bool:
     """Whether this call may take or store a plan: plans on, eager, no functorch transform active."""
     return EAGER_PLANS and not torch.compiler.is_compiling() and not _functorch_active()
+
+
+_SEED_LIMIT = 1 << 64
+
+
+def plannable(seed, *flags) -> bool:
+    """Whether a call with this ``seed`` and these boolean ``flags`` may take or store a plan: the seed None or a
+    plain int in [0, 2**64) (checked here, as it changes from call to call), each flag a plain bool (anything else
+    is read with ``bool()`` per call by the checks, and may not keep its value)."""
+    if not (seed is None or (type(seed) is int and 0 <= seed < _SEED_LIMIT)):
+        return False
+    return all(type(flag) is bool for flag in flags)
 
 
 def tensor_key(t) -> tuple | type | None:

@@ -35,7 +35,7 @@ from kernels._common import (
     unused_pointer,
 )
 from kernels._common.autocast import autocast_dtype
-from kernels._common.eager import PlanCache, autocast_key, function_apply, plans_apply, tensor_key
+from kernels._common.eager import PlanCache, autocast_key, function_apply, plannable, plans_apply, tensor_key
 from kernels._common.launch import PreparedCache, TmaTensor, launch_or_replay, prepared_launches_enabled
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.seed import (
@@ -564,7 +564,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     """
     plans = plans_apply()
     key = None
-    if plans and (seed is None or (type(seed) is int and 0 <= seed < _SEED_LIMIT)):
+    if plans and plannable(seed, causal, deterministic):
         key = _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, deterministic)
         plan = _PLANS.get(key)
         if plan is not None:
@@ -587,7 +587,6 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
 #: right, scale, dropout_p, deterministic)``
 _PLANS = PlanCache()
 _apply = function_apply(_FlashAttentionFunction)
-_SEED_LIMIT = 1 << 64
 
 
 def _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, deterministic) -> tuple | None:

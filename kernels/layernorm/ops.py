@@ -40,7 +40,7 @@ from kernels._common import (
 )
 from kernels._common import seed as seeds
 from kernels._common.autocast import autocast_dtype
-from kernels._common.eager import PlanCache, autocast_key, function_apply, plans_apply, tensor_key
+from kernels._common.eager import PlanCache, autocast_key, function_apply, plannable, plans_apply, tensor_key
 from kernels._common.launch import (
     PreparedCache,
     current_stream_handle,
@@ -624,7 +624,7 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
     """
     plans = plans_apply()
     key = None
-    if plans and (seed is None or (type(seed) is int and 0 <= seed < _SEED_LIMIT)):
+    if plans and plannable(seed, training, deterministic):
         key = (tensor_key(x), tensor_key(residual), tensor_key(weight), tensor_key(bias), kind, eps, type(eps),
                dropout_p, type(dropout_p), training, residual_dtype, deterministic, torch.is_grad_enabled(),
                autocast_key("cuda"))
@@ -681,7 +681,6 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
 #: deterministic, needs_grad)``
 _ADD_DROPOUT_NORM_PLANS = PlanCache()
 _apply_add_dropout_norm = function_apply(_AddDropoutNormFunction)
-_SEED_LIMIT = 1 << 64
 
 
 def _add_dropout_norm_run(plan: tuple, x, residual, weight, bias, seed: int | None, apply):
