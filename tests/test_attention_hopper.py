@@ -123,6 +123,75 @@ def test_hopper_backward_equals_the_portable_backward_and_is_no_worse_than_torch
         assert_no_worse_than_torch(f"{name} (portable)", port, p, r, atol=ATOL[dtype])
 
 
+HOPPER_DROPOUT_CASES = [HOPPER_CASES[i] for i in (1, 2, 3, 6, 7, 8, 10, 11, 13)]
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("case", HOPPER_DROPOUT_CASES, ids=str)
+def test_hopper_backward_with_dropout_equals_the_portable_backward_and_is_no_worse_than_torch(case):
+    """Both backwards draw the forward's keep mask again (the Hopper one in its transposed frame, through shared
+    memory): their gradients agree with torch's on the same mask, within twice its own error."""
+    *dims, causal, window, dtype, layout = case
+    q, k, v = _qkv(*dims, dtype, layout)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    kw = {"causal": causal, "window_size": window, "dropout_p": 0.2, "seed": 2024}
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_backward(q, k, v, do, 0.2)
+        hopper = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+    with configs.forced_path("portable"):
+        portable = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+    peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, causal, window, 0.2, 2024), q, k, v, do)
+    reference = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q.double(), k.double(), v.double(), do.double())
+    for name, got, port, p, r in zip(("o", "dq", "dk", "dv"), hopper, portable, peer, reference, strict=True):
+        assert_no_worse_than_torch(name, got, p, r, atol=ATOL[dtype])
+        assert_no_worse_than_torch(f"{name} (portable)", port, p, r, atol=ATOL[dtype])
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_hopper_backward_drops_exactly_the_twins_mask(dtype):
+    """q = 0 makes every probability 1/Sk, and dO = I reads the dropped ones out of dV = (P o Z / (1 - p))^T dO:
+    dV[j, i] * Sk / (keep scale) is the keep mask of query i and key j. Several heads, batches and both consumers'
+    key halves; keys past Sk (300) in the last program."""
+    b, h, sq, sk, d, p, seed = 2, 3, 128, 300, 128, 0.4, 77
+    q = torch.zeros(b, h, sq, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(b, h, sk, d, device=DEVICE, dtype=dtype)
+    v = torch.randn(b, h, sk, d, device=DEVICE, dtype=dtype)
+    do = torch.eye(sq, d, device=DEVICE, dtype=dtype).expand(b, h, sq, d).contiguous()
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_backward(q, k, v, do, p)
+        dv = _grads(lambda a, b_, c: flash_attention(a, b_, c, dropout_p=p, seed=seed), q, k, v, do)[3]
+    mask = twin.attention_keep_mask(b, h, sq, sk, p, seed, device=DEVICE)
+    read = dv.float().transpose(-1, -2) * sk / twin.attention_keep_scale(p)
+    torch.testing.assert_close(read, mask.float(), rtol=0, atol=2e-2)
+    assert 0.5 < mask.float().mean().item() < 0.7
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_hopper_backward_keyed_by_a_device_seed_draws_the_int_seeds_mask_in_and_out_of_a_cuda_graph():
+    """A seed on the device (how seed=None travels in CUDA graph capture) keys the Hopper backward as its int does:
+    dK and dV bitwise (dQ is summed in arrival order, so to rounding), eagerly and replayed from a graph."""
+    q, k, v = _qkv(1, 4, 2, 600, 600, 64, torch.bfloat16)
+    do = torch.randn_like(q)
+    scale, p = 0.125, 0.2
+    with configs.forced_path("hopper"):
+        o, lse = ops._fwd_impl(q, k, v, -1, 0, scale, p, 2**40 + 3)
+        assert ops.uses_hopper_backward(q, k, v, do, p)
+        by_int = ops._bwd_impl(do, q, k, v, o, lse, -1, 0, scale, p, 2**40 + 3)
+        seed = torch.tensor(2**40 + 3, dtype=torch.int64, device=DEVICE)
+        by_tensor = ops._bwd_impl(do, q, k, v, o, lse, -1, 0, scale, p, seed)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ops._bwd_impl(do, q, k, v, o, lse, -1, 0, scale, p, seed)
+        graph.replay()
+    for grads in (by_tensor, captured):
+        torch.testing.assert_close(grads[0], by_int[0], rtol=0, atol=1.6e-2)
+        assert torch.equal(grads[1], by_int[1]) and torch.equal(grads[2], by_int[2])
+
+
 @pytest.mark.cuda
 @needs_hopper
 @pytest.mark.parametrize("dims", [(8, 16, 2048, 128, True), (4, 8, 4096, 64, False)], ids=str)
@@ -158,12 +227,13 @@ def test_deterministic_takes_the_portable_backward_and_repeats_bitwise():
 
 @pytest.mark.cuda
 @needs_hopper
-def test_auto_path_takes_the_hopper_backward_on_long_sequences_only():
+def test_auto_path_takes_the_hopper_backward_on_long_sequences_or_with_dropout():
     short = _qkv(2, 16, 16, 2048, 2048, 128, torch.bfloat16)
     long_keys = _qkv(1, 2, 2, 2048, 4096, 128, torch.bfloat16)
     long = _qkv(1, 2, 2, 4096, 4096, 64, torch.bfloat16)
     with configs.forced_path("auto"):
         assert not ops.uses_hopper_backward(*short, short[0])
+        assert ops.uses_hopper_backward(*short, short[0], dropout_p=0.1)
         assert not ops.uses_hopper_backward(*long_keys, long_keys[0])
         assert ops.uses_hopper_backward(*long, long[0])
         assert not ops.uses_hopper_backward(*long, long[0], deterministic=True)
@@ -171,10 +241,13 @@ def test_auto_path_takes_the_hopper_backward_on_long_sequences_only():
         assert ops.uses_hopper_backward(*short, short[0])
 
 
-def test_auto_takes_the_hopper_backward_from_4096_queries_and_keys():
+def test_auto_takes_the_hopper_backward_from_4096_queries_and_keys_or_512_with_dropout():
     assert configs.prefers_hopper_backward(4096, 4096)
     assert not configs.prefers_hopper_backward(4095, 8192)
     assert not configs.prefers_hopper_backward(8192, 4095)
+    assert configs.prefers_hopper_backward(512, 512, dropout=True)
+    assert not configs.prefers_hopper_backward(511, 4096, dropout=True)
+    assert not configs.prefers_hopper_backward(4096, 511, dropout=True)
 
 
 def test_auto_takes_the_hopper_forward_at_head_dim_128_on_grids_of_two_programs_per_sm():
@@ -217,7 +290,8 @@ def test_calls_the_hopper_kernels_do_not_take_run_the_portable_kernels(why):
     path = "portable" if why == "portable path" else "hopper"
     with configs.forced_path(path):
         assert not ops.uses_hopper_forward(q, k, v, dropout_p)
-        assert not ops.uses_hopper_backward(q, k, v, q, dropout_p)
+        # the Hopper backward draws the dropout mask; only the forward leaves dropout to the portable kernel
+        assert ops.uses_hopper_backward(q, k, v, q, dropout_p) == (why == "dropout")
         o = flash_attention(q, k, v, causal=True, dropout_p=dropout_p, seed=5)
     assert torch.isfinite(o).all()
     if dropout_p == 0.0:

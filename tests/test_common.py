@@ -319,13 +319,20 @@ def _replay_cases():
 
 
 @pytest.mark.cuda
-def test_replayed_launches_equal_launches_built_anew(monkeypatch):
+@pytest.mark.parametrize("attention_path", ["auto", "hopper"])
+def test_replayed_launches_equal_launches_built_anew(monkeypatch, attention_path):
     """An eager call records its launches and later calls of the same signature replay them with their own
     tensors and seed: the results must be bit for bit those of launches built anew, for every op that replays,
-    and the replay must really happen (a signature whose recording failed builds its launches every time)."""
+    and the replay must really happen (a signature whose recording failed builds its launches every time). On
+    the ``hopper`` path the attention calls run the Gluon kernels, whose TMA arguments a replay makes anew."""
     import kernels._common.launch as launch
     import kernels.attention.ops as attention_ops
     import kernels.layernorm.ops as layernorm_ops
+    from kernels.attention import configs
+
+    if attention_path == "hopper" and not configs.is_hopper(torch.device("cuda")):
+        pytest.skip("the hopper path needs an sm_90 GPU")
+    monkeypatch.setenv(configs.PATH_ENV, attention_path)
 
     caches = [attention_ops._FORWARD_CALLS, attention_ops._BACKWARD_CALLS, layernorm_ops._NORM_FORWARD_CALLS,
               layernorm_ops._NORM_BACKWARD_CALLS, layernorm_ops._ADD_DROPOUT_NORM_CALLS]

@@ -17,10 +17,11 @@ Even so, keying and converting ~40 arguments per launch in Python was most of an
 op's first eager call with a given signature records its launches (:func:`launch_or_replay`, :class:`Recording`),
 and later calls replay them (:class:`RecordedCall`) with their own tensors' addresses and per-call ints (the seed):
 a list copy and the C launcher call per launch. The op states the signature: everything its launches depend on
-besides those addresses and ints. Limits and the trade-off: a recording holds only tensors the op names (and
-:func:`fixed_tensor` placeholders), so a call that launches on a tensor made inside it (a copy) is never replayed;
-kernels must not specialise on the per-call ints (``do_not_specialize``); launch-table overrides and kernel swaps
-call :func:`forget_recorded_launches`. Measured: top-level README, "Host cost".
+besides those addresses and ints; a :class:`TmaTensor` over one of the op's tensors is made again over the later
+call's tensor (its shape and strides are in the signature). Limits and the trade-off: a recording holds only tensors
+the op names (and :func:`fixed_tensor` placeholders), so a call that launches on a tensor made inside it (a copy) is
+never replayed; kernels must not specialise on the per-call ints (``do_not_specialize``); launch-table overrides and
+kernel swaps call :func:`forget_recorded_launches`. Measured: top-level README, "Host cost".
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ class FastLauncher:
         return result
 
     def _prepared(self, entry, grid, values, args, device, recording) -> PreparedLaunch | None:
-        tensor_slots = []
+        tensor_slots, tma_slots = [], []
         for position, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
                 index = next((i for i, t in enumerate(recording.tensors) if t is arg), None)
@@ -236,10 +237,18 @@ class FastLauncher:
                 elif id(arg) not in _FIXED_TENSORS:
                     return None
             elif type(arg) is TmaTensor:
-                return None
+                # over one of the recording's tensors: a replay makes the same tile over the call's own tensor
+                # (shape and strides are part of the op's signature); the recorded one is not kept
+                index = next((i for i, t in enumerate(recording.tensors) if t is arg.base), None)
+                if index is None or arg.base.data_ptr() & 15:
+                    return None
+                tma_slots.append((position, index, arg.block_shape, arg.layout))
         names = [p.name for p in self._params[:len(args)]]
         int_slots = [(names.index(name), i) for i, name in enumerate(recording.int_names) if name in names]
-        return PreparedLaunch(entry, grid, values, tensor_slots, int_slots, device)
+        values = list(values)
+        for position, *_ in tma_slots:
+            values[position] = None
+        return PreparedLaunch(entry, grid, values, tensor_slots, int_slots, device, tma_slots)
 
     def _remember(self, key, compiled, n_positional: int, kwargs: dict) -> None:
         """Cache ``compiled`` with the values of the parameters after the positional ones (constexprs, from
@@ -280,22 +289,26 @@ def _grid3(grid) -> tuple[int, int, int]:
 
 class PreparedLaunch:
     """One recorded launch, replayed with an op call's own tensors and per-call ints (:class:`Recording`): the
-    compiled kernel, the grid and every other argument are the recorded ones. A replay costs the C launcher call
-    and a list copy, where a launch through :class:`FastLauncher` keys and converts every argument (~40 per
-    attention launch) in Python."""
+    compiled kernel, the grid and every other argument are the recorded ones, except TMA arguments, made again over
+    the call's own tensors (Triton's launcher wrapper encodes their tensor maps on every launch). A replay costs the
+    C launcher call and a list copy, where a launch through :class:`FastLauncher` keys and converts every argument
+    (~40 per attention launch) in Python."""
 
-    __slots__ = ("_device", "_entry", "_grid", "_int_slots", "_tensor_slots", "_values")
+    __slots__ = ("_device", "_entry", "_grid", "_int_slots", "_tensor_slots", "_tma_slots", "_values")
 
-    def __init__(self, entry, grid, values, tensor_slots, int_slots, device):
+    def __init__(self, entry, grid, values, tensor_slots, int_slots, device, tma_slots=()):
         self._entry, self._grid, self._values = entry, grid, values
         self._tensor_slots, self._int_slots, self._device = tensor_slots, int_slots, device
+        self._tma_slots = tuple(tma_slots)
 
-    def __call__(self, addresses: list, ints: tuple) -> None:
+    def __call__(self, addresses: list, ints: tuple, tensors: tuple = ()) -> None:
         values = self._values.copy()
         for position, index in self._tensor_slots:
             values[position] = addresses[index]
         for position, index in self._int_slots:
             values[position] = ints[index]
+        for position, index, block_shape, layout in self._tma_slots:
+            values[position] = TmaTensor(tensors[index], block_shape, layout)
         launch, function, leading, tail = self._entry
         g0, g1, g2 = self._grid
         launch(g0, g1, g2, _current_raw_stream(self._device), function, *leading, *values, *tail)
@@ -343,7 +356,7 @@ class RecordedCall:
         if aligned & 15 or self._launches[0]._device != _current_device():
             return False
         for launch in self._launches:
-            launch(addresses, ints)
+            launch(addresses, ints, tensors)
         return True
 
 

@@ -25,20 +25,31 @@ Schedule (one program = 128 keys of one (batch, key/value head)):
   ``tma.store_wait`` makes sure it has read its tile. Per-thread atomics from the accumulator layout were 1.02-1.11x
   slower (H100, bf16, S 4096): the consumer issued 16 of them per thread and step and stalled on the load/store
   queue. The preprocess kernel zeroed the accumulator beside ``delta``; one cast makes it dQ.
+- dropout (``DROPOUT``): the forward's keep mask ``Z``, drawn again, once per tile (the portable backward draws
+  it in its dK/dV and again in its dQ programs): ``dV += (P^T o Z / (1 - p)) dO``, ``dS^T = P^T (Z dP^T / (1 - p) -
+  delta)``. Each Philox call decides 16 elements that one thread holds in the query-major accumulator layout, but in
+  the transposed frame they sit in four threads of two warps, so a consumer draws its next tile in the query-major
+  frame at the top of each step (two calls per thread, compared four bytes at a time by one ``lop3`` sequence),
+  packs each consumer-frame thread's 32 decisions into one 32-byte row of a double-buffered shared buffer (one byte
+  permute per four), and after one barrier of its warpgroup reads its own row back (two 16-byte loads). The mask is
+  then folded into P^T's sign (negated where dropped, scaled where kept), so no mask register stays live across the
+  dP^T wait. Drawing in the transposed frame instead would cost four times the Philox work.
 - register budget: the producer gives its registers back (24 per thread), each consumer takes 240.
 
 Gluon 3.6's ``tma`` module has loads and stores but no reduction; ``_tma_reduce_add`` below builds it from the
 operation Triton 3.6 defines (``ttng.async_tma_reduce``, through the Gluon builder).
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place (head dim contiguous, other strides
-and the base 16-byte aligned), padded head dims 64 and 128, no dropout, no packed batches, eager calls.
+and the base 16-byte aligned), padded head dims 64 and 128, no packed batches, eager calls.
 ``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
 
-Speed: on an H100 (bf16) 1.02-1.09x the portable backward at S 2048-8192 and 0.82-0.93x cuDNN; the default path takes
-it from 4096 queries and keys on (``configs.prefers_hopper_backward``). Each consumer waits on every wgmma it
-issues, so nothing overlaps the softmax inside a warpgroup; issuing dP^T before P^T is computed (0.95-1.02x) and
-computing dQ one query block late so that the consumers need not wait on each other (0.95-1.00x) were measured and
-not kept.
+Speed: on an H100 (bf16) without dropout 1.02-1.09x the portable backward at S 2048-8192 and 0.82-0.93x cuDNN; with
+dropout 0.1 1.01-1.42x the portable backward at S 512-4096 and 0.71-0.90x cuDNN at S 4096. The default path takes it
+from 4096 queries and keys on, with dropout from 512 (``configs.prefers_hopper_backward``). Each consumer waits on
+every wgmma it issues, so nothing overlaps the softmax inside a warpgroup; issuing dP^T before P^T is computed
+(0.95-1.02x) and computing dQ one query block late so that the consumers need not wait on each other (0.95-1.00x)
+were measured and not kept. Dropout costs 1.30-1.39x in time at S 4096 (about 370 more instructions per step and
+warp at D 64), and at D 128 the consumer spills (208 bytes without dropout, 508 with).
 
 Trade-offs: dQ is a sum of fp32 reductions in arrival order, so it is not bitwise reproducible run to run
 (``deterministic=True`` takes the portable backward); the accumulator costs ``B * Hq * Sq * D * 4`` bytes, written
@@ -60,8 +71,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from kernels._common import philox
 from kernels.attention import _kernels as _portable
 from kernels.attention._hopper import register_operand, warpgroup_accumulator
+from reference.attention import ATTENTION_COUNTER_TAG
 
 __all__ = ["KEY_ROWS", "QUERY_ROWS", "_attn_bwd_hopper_kernel"]
 
@@ -87,8 +100,81 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
-# The query range of a key block is the portable kernel's rule, compiled as Gluon (scalar arithmetic only).
+# The query range of a key block is the portable kernel's rule, and Philox the shared one, compiled as Gluon (scalar
+# and element-wise arithmetic only: no layouts in them).
 _query_blocks = gluon.jit(_portable._query_range.fn)
+_philox4x32 = gluon.jit(philox.philox4x32.fn)
+_philox_key = gluon.jit(philox.philox_key.fn)
+_COUNTER_TAG: gl.constexpr = gl.constexpr(ATTENTION_COUNTER_TAG)
+
+
+@gluon.jit
+def _bytes_at_least(words, threshold_bytes):
+    """Bit 7 of each byte of the result: whether that byte of ``words`` is at least the same byte of
+    ``threshold_bytes`` (unsigned; every byte the threshold). Four decisions in three instructions: the low seven
+    bits compare by a subtraction that cannot borrow across bytes, and one ``lop3`` folds in the high bits (the
+    result is ``(x & ~y) | (~(x ^ y) & d)`` bitwise, with ``d = (x | 0x80808080) - (y & 0x7f7f7f7f)``)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 d; or.b32 d, $1, 0x80808080; sub.u32 d, d, $3; lop3.b32 $0, $1, $2, d, 0xB2; }",
+        "=r,r,r,r", [words, threshold_bytes, threshold_bytes & 0x7F7F7F7F], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _byte_permute(low, high, SELECTOR: gl.constexpr):
+    """``prmt.b32``: four bytes picked from ``low`` (bytes 0-3) and ``high`` (4-7), one selector nibble each."""
+    return gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECTOR};", "=r,r,r", [low, high], dtype=gl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _draw_keep(mask_buffer, m0, k0, bh, key0, key1, threshold_bytes):
+    """Stores the dropout keep mask of queries ``m0 .. m0 + 63`` x keys ``k0 .. k0 + 63`` (both multiples of 64) into
+    ``mask_buffer`` (128 rows of eight words): the portable kernel's mask (``_dropout_keep``, stated in
+    ``reference.attention.attention_keep_mask``), laid out for :func:`_load_keep`.
+
+    Each Philox call decides 16 elements that one thread holds in the query-major accumulator layout, so the tile
+    is drawn there, two calls per thread, on ``[g, 8a + r, t]``: word ``w`` of a call decides keys
+    ``32g + 8w + 2t + h`` x queries ``16a + 8u + r`` in its byte ``2u + h``. The consumers compute in the transposed
+    frame, where one call's 16 elements sit in four threads of two warps, so the tile goes through shared memory:
+    row ``R`` holds the 32 decisions of the consumer thread ``R`` (bit 7 of a byte each), which the drawing thread
+    assembles four at a time with one byte permute from two compared words."""
+    draw: gl.constexpr = gl.BlockedLayout(size_per_thread=[2, 1, 1], threads_per_warp=[1, 8, 4],
+                                          warps_per_cta=[1, 4, 1], order=[2, 1, 0])
+    g = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, draw)))
+    pair = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, draw)))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, draw)))
+    octet = gl.expand_dims(gl.expand_dims(k0 // 8 + 4 * g, 1), 2) + gl.expand_dims(gl.expand_dims(t, 0), 1)
+    pair = gl.expand_dims(gl.expand_dims(m0 // 2 + pair, 0), 2)
+    zeros = gl.zeros([2, 32, 4], gl.uint32, layout=draw)
+    w0, w1, w2, w3 = _philox4x32(zeros + octet.to(gl.uint32), zeros + pair.to(gl.uint32), zeros + bh.to(gl.uint32),
+                                 zeros + _COUNTER_TAG, key0, key1)
+    w0 = _bytes_at_least(w0, zeros + threshold_bytes)
+    w1 = _bytes_at_least(w1, zeros + threshold_bytes)
+    w2 = _bytes_at_least(w2, zeros + threshold_bytes)
+    w3 = _bytes_at_least(w3, zeros + threshold_bytes)
+    # The consumer thread of keys 32g + 16v + 8l + 2t + h (v, l: the word's bits) and queries 16a + 8u + r reads
+    # its decisions (u, l) from one word, bytes in that order: bytes h and 2 + h of the words w = 2v and 2v + 1.
+    h0 = gl.join(_byte_permute(w0, w1, 0x6240), _byte_permute(w2, w3, 0x6240))  # [g, 8a + r, t, v], h = 0
+    h1 = gl.join(_byte_permute(w0, w1, 0x7351), _byte_permute(w2, w3, 0x7351))
+    chunks = gl.reshape(gl.join(h0, h1), [2, 4, 4, 2, 4, 2, 2])  # [g, a, r // 2, r % 2, t, v, h]
+    # row: consumer warp 2g + v, lane 4 (2t + h) + r // 2; column: 4 (r % 2) + a
+    chunks = gl.permute(chunks, (0, 5, 4, 6, 2, 3, 1))
+    mask_buffer.store(gl.reshape(chunks, [2 * BLOCK_M, 8]))
+
+
+@gluon.jit
+def _load_keep(mask_buffer, t_layout: gl.constexpr):
+    """The keep mask :func:`_draw_keep` stored, as a (keys, queries) tile in the consumers' accumulator layout: each
+    thread reads its own row (32 bytes) and tests bit 7 of each byte; the reshapes move no data."""
+    rows: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
+                                          order=[1, 0])
+    words = mask_buffer.load(rows)  # [thread, 4e + a]
+    u0 = gl.join((words & 0x80) != 0, (words & 0x8000) != 0)  # [.., l]
+    u1 = gl.join((words & 0x800000) != 0, (words & 0x80000000) != 0)
+    keep = gl.reshape(gl.join(u0, u1), [4, 8, 4, 2, 4, 2, 2])  # [warp, r', t', e, a, l, u]
+    # keys 16 warp + 8l + r', queries 16a + 8u + 2t' + e
+    keep = gl.reshape(gl.permute(keep, (0, 5, 1, 4, 6, 2, 3)), [HALF_N, BLOCK_M])
+    return gl.convert_layout(keep, t_layout)
 
 
 @gluon.jit
@@ -169,11 +255,11 @@ def _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, H
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
-              stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0, scale,
-              lo_shift, hi_shift, start_m, full_lo, full_hi, end_m,
-              HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr):
+def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready, q_ready,
+              do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0,
+              scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0, key1, threshold, inv_keep,
+              HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr,
+              BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     # (keys, queries) tiles: S^T, dP^T, P^T, dS^T
     t_layout: gl.constexpr = warpgroup_accumulator(BLOCK_M)
@@ -186,6 +272,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta
     keys = n0 + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, t_layout))
     past_sk = n0 + (HALF + 1) * HALF_N > Sk
     scale_log2 = scale * _LOG2E
+    keep_fraction = 1.0 / inv_keep
 
     dk = gl.zeros([HALF_N, BLOCK_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, BLOCK_D], gl.float32, layout=acc_layout)
@@ -202,6 +289,12 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta
         do_tile = do_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
         # Order chosen for registers: dK and dV hold 128 per thread at head dim 128, so S^T and dP^T (32 each) and
         # the per-query vectors (16 each) are not all live at once.
+        if DROPOUT:
+            # drawn first, when only dK and dV hold registers (and Q may still be on its way); double-buffered, so
+            # one barrier per step keeps a warp's next draw from overwriting a tile another warp still reads
+            mask_buffer = mask_smem.index(2 * HALF + i % 2)
+            _draw_keep(mask_buffer, m0, n0 + HALF * HALF_N, b_heads + h, key0, key1, threshold)
+            gl.thread_barrier()
         mbarrier.wait(q_ready.index(slot), phase)
         st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
         mbarrier.wait(stats_ready.index(slot), phase)
@@ -211,13 +304,26 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta
         if past_sk | (m0 < full_lo) | (m0 >= full_hi):
             # keys past Sk read as zeros but would still get P = exp(-lse), which can overflow
             pt = _band_kept(pt, keys, rows, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT)
-        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        if DROPOUT:
+            # P^T scaled where kept and negated where dropped: its sign carries the mask to dS^T below (P >= 0, and
+            # where P = 0 the mask does not matter, dS^T is 0 either way), so no mask stays live across the wait;
+            # dV takes its positive part, the dropped and rescaled P^T
+            keep = _load_keep(mask_buffer, t_layout)
+            pt = gl.where(keep, pt * inv_keep, -pt)
+            pt_op = gl.convert_layout(gl.maximum(pt, 0.0).to(dtype), op_layout)
+        else:
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         mbarrier.wait(do_ready.index(slot), phase)
         dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         delta = delta_smem.index(slot).load(query_layout)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
-        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+        if DROPOUT:
+            # dS^T = P^T (Z dP^T / (1 - p) - delta): where kept, pt (dP^T - delta (1 - p)); where dropped, pt delta
+            delta = gl.expand_dims(delta, 0)
+            dst = (pt * gl.where(pt > 0.0, dpt - delta * keep_fraction, delta)).to(dtype)
+        else:
+            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         ds_op = gl.convert_layout(dst, op_layout)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
         # dS^T of both consumers in one double-buffered tile; the barrier says both halves are in
@@ -244,23 +350,26 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta
 
 
 @gluon.jit
-def _consumer_worker(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_ready, q_ready,
-                     do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq, Sk,
-                     n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
-              stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0, scale,
-              lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, 1, HAS_LEFT, HAS_RIGHT, BLOCK_D, STAGES)
+def _consumer_worker(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready,
+                     q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk,
+                     GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0,
+                     key1, threshold, inv_keep, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr,
+                     BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready, q_ready,
+              do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0,
+              scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0, key1, threshold, inv_keep, 1,
+              HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES)
 
 
-@gluon.jit(do_not_specialize=["Sq", "Sk"])
+@gluon.jit(do_not_specialize=["Sq", "Sk", "seed_lo", "seed_hi", "seed_in_memory", "threshold"])
 def _attn_bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,  # TMA descriptors over (B, H, S, D); blocks [1, 1, 64, BLOCK_D]
     dq_desc,  # TMA descriptor over the dQ accumulator ((B, Hq, Sq, BLOCK_D) fp32, zeroed); blocks [1, 1, 64, 32]
     lse_ptr, delta_ptr, stride_lb, stride_lh,  # (B, Hq, Sq) fp32, 1 along the sequence
     Hkv, GROUP, Sq, Sk, scale, LEFT, RIGHT,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, inv_keep,  # attention dropout, as the portable kernels
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     FIRST_HALF: gl.constexpr = 0
     pid_n = gl.program_id(0)
@@ -269,6 +378,14 @@ def _attn_bwd_hopper_kernel(
     hk = pid_bh % Hkv
     n0 = pid_n * BLOCK_N
     scale = scale.to(gl.float32)
+    b_heads = b * Hkv * GROUP  # query heads of the batches before b: the dropout counter's head word is b_heads + h
+    if DROPOUT:
+        key0, key1 = _philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
+        threshold = threshold.to(gl.uint32) * 0x01010101  # in every byte
+    else:
+        key0 = seed_lo.to(gl.uint32)
+        key1 = seed_hi.to(gl.uint32)
+    inv_keep = inv_keep.to(gl.float32)
     lo_shift = Sk - Sq - LEFT
     hi_shift = Sk - Sq + RIGHT
     start_m, full_lo, full_hi, end_m = _query_blocks(n0, Sq, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, BLOCK_M,
@@ -295,6 +412,12 @@ def _attn_bwd_hopper_kernel(
     # whole step to read its tile)
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_D // DQ_TILE_COLS] + dq_desc.block_type.shape,  # noqa: RUF005
                                         dq_desc.layout)
+    # dropout keep masks (``_draw_keep``): two buffers per consumer
+    mask_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    if DROPOUT:
+        mask_smem = gl.allocate_shared_memory(gl.uint32, [4, 2 * BLOCK_M, 8], mask_layout)
+    else:
+        mask_smem = gl.allocate_shared_memory(gl.uint32, [1, 16, 8], mask_layout)
     mbarrier.init(kv_ready.index(0), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
@@ -307,14 +430,15 @@ def _attn_bwd_hopper_kernel(
     mbarrier.init(keys_done.index(0), count=2)  # both consumers have finished reading K
 
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_ready, q_ready,
-                     do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq,
-                     Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, FIRST_HALF, HAS_LEFT,
-                     HAS_RIGHT, BLOCK_D, STAGES)),
-        (_consumer_worker, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_ready,
-                            q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b,
-                            hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m,
-                            HAS_LEFT, HAS_RIGHT, BLOCK_D, STAGES)),
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready,
+                     q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk,
+                     GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0,
+                     key1, threshold, inv_keep, FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES)),
+        (_consumer_worker, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem,
+                            kv_ready, q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc,
+                            dq_desc, b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi,
+                            end_m, b_heads, key0, key1, threshold, inv_keep, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D,
+                            STAGES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready,
                      q_ready, do_ready, stats_ready, empty, lse_ptr, delta_ptr, stride_lb, stride_lh, b, hk, GROUP, Sq,
                      n0, start_m, end_m, STAGES)),

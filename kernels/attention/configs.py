@@ -191,17 +191,23 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int) -> bool:
     return block_d == 128 and programs >= HOPPER_MIN_PROGRAMS_PER_SM * sms
 
 
-#: ``auto`` takes the Hopper backward when queries and keys both reach this length.
+#: ``auto`` takes the Hopper backward without dropout when queries and keys both reach this length.
 HOPPER_BACKWARD_MIN_LENGTH = 4096
+#: ``auto`` takes the Hopper backward with dropout when queries and keys both reach this length (the shortest
+#: measured).
+HOPPER_DROPOUT_BACKWARD_MIN_LENGTH = 512
 
 
-def prefers_hopper_backward(sq: int, sk: int) -> bool:
-    """Whether ``auto`` runs a supported backward call on the Hopper kernel: when Sq and Sk both reach
-    :data:`HOPPER_BACKWARD_MIN_LENGTH`. On an H100 (bf16, interleaved rounds, two runs) it ran at 1.02-1.11x the
-    portable backward there (D 64 and 128, causal and not, S 4096-8192) and 0.98-1.02x at S 2048; on short sequences
-    its host time (seven TMA descriptors encoded per call) and per-program prologue make it slower (B2 H8 S1000
-    D128 causal: 0.39 against 0.12 ms)."""
-    return sq >= HOPPER_BACKWARD_MIN_LENGTH and sk >= HOPPER_BACKWARD_MIN_LENGTH
+def prefers_hopper_backward(sq: int, sk: int, dropout: bool = False) -> bool:
+    """Whether ``auto`` runs a supported backward call on the Hopper kernel. Without dropout, when Sq and Sk both
+    reach :data:`HOPPER_BACKWARD_MIN_LENGTH`: on an H100 (bf16, 16k tokens, H 16, interleaved rounds) it ran at
+    1.00-1.07x the portable backward at S 4096, 0.99-1.07x at S 2048, and at D 64 as low as 0.59x at S 1024 causal
+    (short programs, whose prologue and epilogue run alone on their SM). With dropout, from
+    :data:`HOPPER_DROPOUT_BACKWARD_MIN_LENGTH` on: it draws each keep mask once where the portable backward draws
+    it twice and recomputes two matmuls, and ran at 1.08-1.42x the portable backward at D 64 and 1.01-1.15x at D 128,
+    S 512-4096, causal and not."""
+    least = HOPPER_DROPOUT_BACKWARD_MIN_LENGTH if dropout else HOPPER_BACKWARD_MIN_LENGTH
+    return sq >= least and sk >= least
 
 
 def path() -> str:

@@ -192,36 +192,39 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
 def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout_p: float = 0.0,
                          varlen=None, deterministic: bool = False) -> bool:
     """Whether a backward call on these tensors runs the Hopper kernel (``kernels/attention/_hopper_bwd.py``) rather
-    than the portable one: sm_90, fp16/bf16, dense batches, no dropout, head dims with a Hopper tile, tensors TMA can
-    read in place, and ``deterministic`` False (the Hopper kernel sums dQ by TMA reductions in arrival order); of
-    those calls the ``hopper`` path takes all and ``auto`` long sequences (``configs.prefers_hopper_backward``)."""
+    than the portable one: sm_90, fp16/bf16, dense batches, head dims with a Hopper tile, tensors TMA can read in
+    place, and ``deterministic`` False (the Hopper kernel sums dQ by TMA reductions in arrival order); of those calls
+    the ``hopper`` path takes all and ``auto`` the ones ``configs.prefers_hopper_backward`` names."""
     path = configs.path()
     if path == "portable" or deterministic:
         return False
-    if path == "auto" and not configs.prefers_hopper_backward(q.shape[-2], k.shape[-2]):
+    if path == "auto" and not configs.prefers_hopper_backward(q.shape[-2], k.shape[-2], dropout_p > 0):
         return False
-    if varlen is not None or dropout_p != 0.0 or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
+    if varlen is not None or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
         return False
     if configs.block_d(q.shape[-1]) not in configs.HOPPER_BACKWARD or not configs.is_hopper(q.device):
         return False
     return all(_tma_ready(t) for t in (q, k, v, do))
 
 
-def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right: int, scale: float):
+def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right: int, scale: float,
+                       drop: tuple = _NO_DROPOUT):
     """The Hopper backward: dK, dV written in place; dQ summed into ``dq_acc`` ((B, Hq, Sq, padded D) fp32, zeroed by
-    the preprocess kernel)."""
+    the preprocess kernel); ``drop`` as ``_dropout_args`` gives it."""
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
     t = configs.HOPPER_BACKWARD[bd]
     block = (1, 1, _hopper_bwd.QUERY_ROWS, bd)
     band, band_flags = _band(left, right)
     grid = (cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv)
+    drop_args, drop_flags = _drop_launch_args(drop, q, False)
     kernel_for(_hopper_bwd._attn_bwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), _descriptor(do, block),
         _descriptor(dk, block), _descriptor(dv, block), _descriptor(dq_acc, (1, 1, _hopper_bwd.QUERY_ROWS,
                                                                             _hopper_bwd.DQ_TILE)),
-        lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, **band_flags, BLOCK_D=bd,
-        STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs, num_warps=4, maxnreg=t.maxnreg,
+        lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
+        **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs,
+        num_warps=4, maxnreg=t.maxnreg,
     )
 
 
@@ -350,8 +353,13 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     delta = torch.empty_like(lse)
     if not traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic):
         dq_acc = torch.empty((b, q.shape[1], q.shape[2], configs.block_d(d)), device=q.device, dtype=torch.float32)
-        _launch_bwd_preprocess(o, do, delta, dq_acc=dq_acc)
-        _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left, right, scale)
+        # replayed like the portable launches: the TMA arguments are made again over the call's own tensors
+        signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
+                                     o.stride(), "hopper")
+        launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq_acc, dk, dv),
+                         lambda: _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_acc, dk, dv, left, right, scale,
+                                                      dropout_p, seed),
+                         _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
         # a slice of the padded accumulator is not dense: the cast lays dQ out contiguously
         return dq_acc[..., :d].to(q.dtype), dk, dv
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -362,6 +370,12 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
                                            varlen, traceable),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
     return dq, dk, dv
+
+
+def _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_acc, dk, dv, left, right, scale, dropout_p, seed) -> None:
+    """The Hopper backward: ``delta`` (and ``dq_acc`` zeroed), then the Gluon kernel."""
+    _launch_bwd_preprocess(o, do, delta, dq_acc=dq_acc)
+    _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left, right, scale, _dropout_args(dropout_p, seed))
 
 
 def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed, varlen,
