@@ -317,12 +317,18 @@ def test_the_backward_preprocess_zeroes_the_hopper_dq_accumulator():
 def test_hopper_launches_take_the_cached_path():
     """The Gluon kernels' launches, with their TMA arguments, are cached by the family's launcher like every other
     launch (Triton's own launch of a Gluon kernel cost ~100 us more host time per call on an H100 host)."""
-    from kernels._common.launch import _fast_launcher
+    from kernels._common.launch import _fast_launcher, forget_recorded_launches
     from kernels.attention import _hopper, _hopper_bwd
 
+    # an earlier test's recording of the same call would replay without the launcher
+    forget_recorded_launches()
     q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    # a dense dO: the gradient of .sum() is an expanded tensor (stride 0), which TMA cannot read, and its backward
+    # would run the portable kernels
+    do = torch.randn_like(q)
     with configs.forced_path("hopper"):
+        assert ops.uses_hopper_backward(q, k, v, do)
         for _ in range(2):
-            flash_attention(q, k, v, causal=True).sum().backward()
+            flash_attention(q, k, v, causal=True).backward(do)
     for kernel in (_hopper._attn_fwd_hopper_kernel, _hopper_bwd._attn_bwd_hopper_kernel):
         assert _fast_launcher(kernel)._compiled, kernel.__name__
