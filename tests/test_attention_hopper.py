@@ -228,26 +228,29 @@ def test_deterministic_takes_the_portable_backward_and_repeats_bitwise():
 @pytest.mark.cuda
 @needs_hopper
 def test_auto_path_takes_the_hopper_backward_on_long_sequences_or_with_dropout():
-    short = _qkv(2, 16, 16, 2048, 2048, 128, torch.bfloat16)
-    long_keys = _qkv(1, 2, 2, 2048, 4096, 128, torch.bfloat16)
-    long = _qkv(1, 2, 2, 4096, 4096, 64, torch.bfloat16)
+    short = _qkv(2, 16, 16, 1024, 1024, 64, torch.bfloat16)
+    long_keys = _qkv(1, 2, 2, 1024, 4096, 64, torch.bfloat16)
+    long = _qkv(1, 2, 2, 2048, 2048, 64, torch.bfloat16)
+    wide_short = _qkv(1, 2, 2, 512, 512, 128, torch.bfloat16)
+    wide = _qkv(1, 2, 2, 1024, 1024, 128, torch.bfloat16)
     with configs.forced_path("auto"):
         assert not ops.uses_hopper_backward(*short, short[0])
         assert ops.uses_hopper_backward(*short, short[0], dropout_p=0.1)
         assert not ops.uses_hopper_backward(*long_keys, long_keys[0])
         assert ops.uses_hopper_backward(*long, long[0])
         assert not ops.uses_hopper_backward(*long, long[0], deterministic=True)
+        assert not ops.uses_hopper_backward(*wide_short, wide_short[0])
+        assert ops.uses_hopper_backward(*wide, wide[0])
     with configs.forced_path("hopper"):
         assert ops.uses_hopper_backward(*short, short[0])
 
 
-def test_auto_takes_the_hopper_backward_from_4096_queries_and_keys_or_512_with_dropout():
-    assert configs.prefers_hopper_backward(4096, 4096)
-    assert not configs.prefers_hopper_backward(4095, 8192)
-    assert not configs.prefers_hopper_backward(8192, 4095)
-    assert configs.prefers_hopper_backward(512, 512, dropout=True)
-    assert not configs.prefers_hopper_backward(511, 4096, dropout=True)
-    assert not configs.prefers_hopper_backward(4096, 511, dropout=True)
+def test_auto_takes_the_hopper_backward_from_its_head_dims_lengths():
+    for block_d, least, least_with_dropout in ((64, 2048, 1024), (128, 1024, 512)):
+        for dropout, n in ((False, least), (True, least_with_dropout)):
+            assert configs.prefers_hopper_backward(block_d, n, n, dropout=dropout)
+            assert not configs.prefers_hopper_backward(block_d, n - 1, 8192, dropout=dropout)
+            assert not configs.prefers_hopper_backward(block_d, 8192, n - 1, dropout=dropout)
 
 
 def test_auto_takes_the_hopper_forward_at_head_dim_128_on_grids_of_two_programs_per_sm():

@@ -18,10 +18,14 @@ Schedule (one program = 128 keys of one (batch, key/value head)):
   tiles are not live at once beside dK and dV (ptxas serialised the wgmmas for want of registers when they were).
   That is 5 matmuls per tile pair, against 7 for the portable backward, which recomputes Q K^T and dO V^T in
   separate dQ programs.
-- dQ: both consumers store their dS^T into one double-buffered tile (an mbarrier says both halves are in) and each
-  computes half of dQ's columns over all 128 keys, ``dS K * scale``, in 32-column parts. Each part goes to shared
-  memory and from there into the fp32 accumulator by a TMA bulk reduction (``cp.reduce.async.bulk.tensor`` add,
-  rows past Sq skipped by the TMA unit), which the consumer issues and does not wait for: the next step's
+- dQ: both consumers store their dS^T into one double-buffered tile (an mbarrier says both halves are in). At D 128
+  each computes half of dQ's columns over all 128 keys, ``dS K * scale``, in one wgmma (two of 32 columns each read
+  dS twice from shared memory and spilled: 1.11-1.17x slower). At D 64 the consumers take turns (``DQ_TURNS``): in
+  even steps the first computes all 64 columns, in odd steps the second, so one 64 x 64 wgmma reads dS once and the
+  other consumer does not wait for dS at all (1.06-1.19x against half the columns each); at D 128 a whole dQ tile
+  would cost 64 more registers per thread and 32 KiB more shared memory. dQ goes to shared memory as 32-column parts
+  and from there into the fp32 accumulator by TMA bulk reductions (``cp.reduce.async.bulk.tensor`` add, rows past Sq
+  skipped by the TMA unit), which the consumer issues and does not wait for: the next step's
   ``tma.store_wait`` makes sure it has read its tile. Per-thread atomics from the accumulator layout were 1.02-1.11x
   slower (H100, bf16, S 4096): the consumer issued 16 of them per thread and step and stalled on the load/store
   queue. The preprocess kernel zeroed the accumulator beside ``delta``; one cast makes it dQ.
@@ -43,13 +47,14 @@ Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place 
 and the base 16-byte aligned), padded head dims 64 and 128, no packed batches, eager calls.
 ``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
 
-Speed: on an H100 (bf16) without dropout 1.02-1.09x the portable backward at S 2048-8192 and 0.82-0.93x cuDNN; with
-dropout 0.1 1.01-1.42x the portable backward at S 512-4096 and 0.71-0.90x cuDNN at S 4096. The default path takes it
-from 4096 queries and keys on, with dropout from 512 (``configs.prefers_hopper_backward``). Each consumer waits on
-every wgmma it issues, so nothing overlaps the softmax inside a warpgroup; issuing dP^T before P^T is computed
-(0.95-1.02x) and computing dQ one query block late so that the consumers need not wait on each other (0.95-1.00x)
-were measured and not kept. Dropout costs 1.30-1.39x in time at S 4096 (about 370 more instructions per step and
-warp at D 64), and at D 128 the consumer spills (208 bytes without dropout, 508 with).
+Speed: on an H100 (bf16) without dropout 1.11-1.22x the portable backward at D 128 from S 1024 on and 0.95-1.16x
+cuDNN there; at D 64 1.04-1.06x the portable backward at S 4096 and 0.90-0.93x cuDNN. With dropout 0.1 1.08-1.42x
+the portable backward at S 512-4096 and 0.79-0.90x cuDNN. The default path takes it without dropout from 1024 queries
+and keys on at D 128 and 4096 at D 64, with dropout from 512 (``configs.prefers_hopper_backward``). Each consumer
+waits on every wgmma it issues, so nothing overlaps the softmax inside a warpgroup; issuing dP^T before P^T is
+computed (0.95-1.02x) and computing dQ one query block late so that the consumers need not wait on each other
+(0.95-1.00x) were measured and not kept. Dropout costs 1.30-1.39x in time at S 4096 (about 370 more instructions per
+step and warp at D 64), and at D 128 the consumer spills (72 bytes without dropout, 356 with).
 
 Trade-offs: dQ is a sum of fp32 reductions in arrival order, so it is not bitwise reproducible run to run
 (``deterministic=True`` takes the portable backward); the accumulator costs ``B * Hq * Sq * D * 4`` bytes, written
@@ -221,34 +226,33 @@ def _band_kept(pt, keys, rows, Sk, lo_shift, hi_shift, HAS_LEFT: gl.constexpr, H
 
 @gluon.jit
 def _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF: gl.constexpr,
-                         BLOCK_D: gl.constexpr):
-    """This consumer's half of dQ's columns for one query block, ``dS K * scale`` over all 128 keys, added into the
-    fp32 accumulator by TMA bulk reductions from shared memory: 32 columns per reduction."""
-    PARTS: gl.constexpr = BLOCK_D // 2 // DQ_TILE_COLS
-    part_layout: gl.constexpr = warpgroup_accumulator(DQ_TILE_COLS)
-    part_zero = gl.zeros([BLOCK_M, DQ_TILE_COLS], gl.float32, layout=part_layout)
+                         BLOCK_D: gl.constexpr, ALL_COLUMNS: gl.constexpr):
+    """dQ of one query block, ``dS K * scale`` over all 128 keys: this consumer's half of its columns, or all of them
+    (``ALL_COLUMNS``), added into the fp32 accumulator by TMA bulk reductions from shared memory, 32 columns each."""
+    COLUMNS: gl.constexpr = BLOCK_D if ALL_COLUMNS else BLOCK_D // 2
+    PARTS: gl.constexpr = COLUMNS // DQ_TILE_COLS
+    gl.static_assert(PARTS <= 2, "dQ parts of one consumer: at most 64 columns")
     ds_lo = ds_buffer.slice(0, HALF_N, dim=0).permute((1, 0))
     ds_hi = ds_buffer.slice(HALF_N, HALF_N, dim=0).permute((1, 0))
     k_lo = k_smem.index(0).reshape([HALF_N, BLOCK_D])
     k_hi = k_smem.index(1).reshape([HALF_N, BLOCK_D])
-    col0: gl.constexpr = HALF * (BLOCK_D // 2)
+    col0: gl.constexpr = 0 if ALL_COLUMNS else HALF * COLUMNS
     # the previous step's reductions must have read this consumer's tiles before they are overwritten
     tma.store_wait(0)
     gl.thread_barrier()
-    # both 32-column parts are issued before either is waited on
-    first = warpgroup_mma(ds_lo, k_lo.slice(col0, DQ_TILE_COLS, dim=1), part_zero, use_acc=False, is_async=True)
-    first = warpgroup_mma(ds_hi, k_hi.slice(col0, DQ_TILE_COLS, dim=1), first, is_async=True)
+    # one wgmma over this consumer's columns, then stored as 32-column tiles: at head dim 128, two 64 x 32 wgmmas
+    # read dS from shared memory twice and ptxas spilled their two accumulators (1.11-1.17x slower)
+    dq_zero = gl.zeros([BLOCK_M, COLUMNS], gl.float32, layout=warpgroup_accumulator(COLUMNS))
+    dq = warpgroup_mma(ds_lo, k_lo.slice(col0, COLUMNS, dim=1), dq_zero, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_hi, k_hi.slice(col0, COLUMNS, dim=1), dq, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq,)) * scale
     if PARTS == 2:
-        second = warpgroup_mma(ds_lo, k_lo.slice(col0 + DQ_TILE_COLS, DQ_TILE_COLS, dim=1), part_zero, use_acc=False,
-                               is_async=True)
-        second = warpgroup_mma(ds_hi, k_hi.slice(col0 + DQ_TILE_COLS, DQ_TILE_COLS, dim=1), second, is_async=True)
-        first = warpgroup_mma_wait(1, deps=(first,))
-        dq_smem.index(HALF * PARTS).reshape([BLOCK_M, DQ_TILE_COLS]).store(first * scale)
-        second = warpgroup_mma_wait(0, deps=(second,))
-        dq_smem.index(HALF * PARTS + 1).reshape([BLOCK_M, DQ_TILE_COLS]).store(second * scale)
+        # 32-column parts are separate registers of the accumulator layout: the split moves no data
+        first, second = gl.split(gl.permute(gl.reshape(dq, [BLOCK_M, 2, DQ_TILE_COLS]), (0, 2, 1)))
+        dq_smem.index(HALF * PARTS).reshape([BLOCK_M, DQ_TILE_COLS]).store(first)
+        dq_smem.index(HALF * PARTS + 1).reshape([BLOCK_M, DQ_TILE_COLS]).store(second)
     else:
-        first = warpgroup_mma_wait(0, deps=(first,))
-        dq_smem.index(HALF * PARTS).reshape([BLOCK_M, DQ_TILE_COLS]).store(first * scale)
+        dq_smem.index(HALF * PARTS).reshape([BLOCK_M, DQ_TILE_COLS]).store(dq)
     fence_async_shared()
     for j in gl.static_range(PARTS):
         _tma_reduce_add(dq_desc, [b, h, m0, col0 + j * DQ_TILE_COLS], dq_smem.index(HALF * PARTS + j))
@@ -259,7 +263,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
               do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0,
               scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0, key1, threshold, inv_keep,
               HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr,
-              BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_TURNS: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     # (keys, queries) tiles: S^T, dP^T, P^T, dS^T
     t_layout: gl.constexpr = warpgroup_accumulator(BLOCK_M)
@@ -333,8 +337,15 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
         mbarrier.arrive(ds_ready.index(i % 2), count=1)
         dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
         mbarrier.arrive(empty.index(slot), count=1)
-        mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
-        _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D)
+        if DQ_TURNS:
+            # one consumer computes all of dQ's columns, in turn: one 64 x D wgmma reads dS once instead of twice,
+            # and the other consumer goes on to its next step without waiting for dS (1.06-1.19x at D 64)
+            if i % 2 == HALF:
+                mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
+                _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, True)
+        else:
+            mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
+            _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, False)
 
     # Their shared memory stages dK and dV for the TMA stores (which clip rows past Sk). This consumer's V half is
     # read by no one else now; its K half is, by the other consumer's last dQ products: both say they are done
@@ -354,11 +365,11 @@ def _consumer_worker(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_sme
                      q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk,
                      GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0,
                      key1, threshold, inv_keep, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr,
-                     BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+                     BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_TURNS: gl.constexpr):
     _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready, q_ready,
               do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0,
               scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0, key1, threshold, inv_keep, 1,
-              HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES)
+              HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "seed_lo", "seed_hi", "seed_in_memory", "threshold"])
@@ -369,7 +380,7 @@ def _attn_bwd_hopper_kernel(
     Hkv, GROUP, Sq, Sk, scale, LEFT, RIGHT,
     seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, inv_keep,  # attention dropout, as the portable kernels
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TURNS: gl.constexpr,
 ):
     FIRST_HALF: gl.constexpr = 0
     pid_n = gl.program_id(0)
@@ -408,9 +419,10 @@ def _attn_bwd_hopper_kernel(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     stats_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # dQ parts on their way to the TMA reductions: (D / 32) tiles of 64 x 32 fp32 (one buffer; a reduction has a
-    # whole step to read its tile)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_D // DQ_TILE_COLS] + dq_desc.block_type.shape,  # noqa: RUF005
+    # dQ parts on their way to the TMA reductions, tiles of 64 x 32 fp32: D / 32 of them, or twice that when each
+    # consumer computes all columns in its turn (one buffer per consumer; a reduction has a whole step to read it)
+    DQ_TILES: gl.constexpr = 2 * BLOCK_D // DQ_TILE_COLS if DQ_TURNS else BLOCK_D // DQ_TILE_COLS
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,  # noqa: RUF005
                                         dq_desc.layout)
     # dropout keep masks (``_draw_keep``): two buffers per consumer
     mask_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -433,12 +445,12 @@ def _attn_bwd_hopper_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready,
                      q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk,
                      GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0,
-                     key1, threshold, inv_keep, FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES)),
+                     key1, threshold, inv_keep, FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS)),
         (_consumer_worker, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem,
                             kv_ready, q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc,
                             dq_desc, b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi,
                             end_m, b_heads, key0, key1, threshold, inv_keep, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D,
-                            STAGES)),
+                            STAGES, DQ_TURNS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready,
                      q_ready, do_ready, stats_ready, empty, lse_ptr, delta_ptr, stride_lb, stride_lh, b, hk, GROUP, Sq,
                      n0, start_m, end_m, STAGES)),

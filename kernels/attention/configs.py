@@ -165,13 +165,15 @@ class HopperBackwardTile(NamedTuple):
     consumer_regs: int  # registers per thread of each consumer warpgroup (setmaxnreg)
     producer_regs: int  # of the TMA producer warpgroup
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
+    dq_turns: bool  # one consumer per step computes all of dQ's columns, the two in turn (else half each)
 
 
 #: Hopper backward tiles by padded head dim: dK and dV (64 x D fp32 per warpgroup), S^T and dP^T (64 x 64) and
 #: a dQ part must fit in 240 registers; K, V (128 x D), the Q/dO ring and dS^T in 227 KiB of shared memory.
 HOPPER_BACKWARD: dict[int, HopperBackwardTile] = {
-    64: HopperBackwardTile(2, 240, 24, 168),
-    128: HopperBackwardTile(2, 240, 24, 168),
+    64: HopperBackwardTile(2, 240, 24, 168, True),
+    # at D 128 a whole dQ tile would not fit: 64 more fp32 registers per thread, 32 KiB more shared memory
+    128: HopperBackwardTile(2, 240, 24, 168, False),
 }
 
 
@@ -191,22 +193,25 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int) -> bool:
     return block_d == 128 and programs >= HOPPER_MIN_PROGRAMS_PER_SM * sms
 
 
-#: ``auto`` takes the Hopper backward without dropout when queries and keys both reach this length.
-HOPPER_BACKWARD_MIN_LENGTH = 4096
-#: ``auto`` takes the Hopper backward with dropout when queries and keys both reach this length (the shortest
-#: measured).
-HOPPER_DROPOUT_BACKWARD_MIN_LENGTH = 512
+#: ``auto`` takes the Hopper backward without dropout when queries and keys both reach this length, by padded head
+#: dim.
+HOPPER_BACKWARD_MIN_LENGTH: dict[int, int] = {64: 2048, 128: 1024}
+#: ``auto`` takes the Hopper backward with dropout when queries and keys both reach this length, by padded head dim.
+HOPPER_DROPOUT_BACKWARD_MIN_LENGTH: dict[int, int] = {64: 1024, 128: 512}
 
 
-def prefers_hopper_backward(sq: int, sk: int, dropout: bool = False) -> bool:
-    """Whether ``auto`` runs a supported backward call on the Hopper kernel. Without dropout, when Sq and Sk both
-    reach :data:`HOPPER_BACKWARD_MIN_LENGTH`: on an H100 (bf16, 16k tokens, H 16, interleaved rounds) it ran at
-    1.00-1.07x the portable backward at S 4096, 0.99-1.07x at S 2048, and at D 64 as low as 0.59x at S 1024 causal
-    (short programs, whose prologue and epilogue run alone on their SM). With dropout, from
-    :data:`HOPPER_DROPOUT_BACKWARD_MIN_LENGTH` on: it draws each keep mask once where the portable backward draws
-    it twice and recomputes two matmuls, and ran at 1.08-1.42x the portable backward at D 64 and 1.01-1.15x at D 128,
-    S 512-4096, causal and not."""
-    least = HOPPER_DROPOUT_BACKWARD_MIN_LENGTH if dropout else HOPPER_BACKWARD_MIN_LENGTH
+def prefers_hopper_backward(block_d: int, sq: int, sk: int, dropout: bool = False) -> bool:
+    """Whether ``auto`` runs a supported backward call (padded head dim ``block_d``) on the Hopper kernel: when Sq and
+    Sk both reach :data:`HOPPER_BACKWARD_MIN_LENGTH`, or :data:`HOPPER_DROPOUT_BACKWARD_MIN_LENGTH` with dropout.
+    Measured on an H100 (bf16, 16k tokens, H 16, public calls, interleaved rounds), Hopper / portable backward:
+
+    - D 128 without dropout: 1.12-1.22x from S 1024 on, 0.96x at S 512 causal;
+    - D 64 without dropout: 1.09-1.16x from S 2048 on, 0.92-0.95x at S 1024, 0.80-0.88x at S 512, where the call
+      is short enough that host work and the extra passes (the dQ accumulator's cast) weigh;
+    - with dropout (each keep mask drawn once, where the portable backward draws it twice and recomputes two
+      matmuls): D 128 1.08-1.31x from S 512 on; D 64 1.19-1.51x from S 1024 on, at S 512 0.87x causal and 1.34x
+      full."""
+    least = (HOPPER_DROPOUT_BACKWARD_MIN_LENGTH if dropout else HOPPER_BACKWARD_MIN_LENGTH)[block_d]
     return sq >= least and sk >= least
 
 

@@ -198,11 +198,14 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     path = configs.path()
     if path == "portable" or deterministic:
         return False
-    if path == "auto" and not configs.prefers_hopper_backward(q.shape[-2], k.shape[-2], dropout_p > 0):
-        return False
     if varlen is not None or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
         return False
-    if configs.block_d(q.shape[-1]) not in configs.HOPPER_BACKWARD or not configs.is_hopper(q.device):
+    bd = configs.block_d(q.shape[-1])
+    if bd not in configs.HOPPER_BACKWARD:
+        return False
+    if path == "auto" and not configs.prefers_hopper_backward(bd, q.shape[-2], k.shape[-2], dropout_p > 0):
+        return False
+    if not configs.is_hopper(q.device):
         return False
     return all(_tma_ready(t) for t in (q, k, v, do))
 
@@ -224,7 +227,7 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right
                                                                             _hopper_bwd.DQ_TILE)),
         lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
         **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs,
-        num_warps=4, maxnreg=t.maxnreg,
+        DQ_TURNS=t.dq_turns, num_warps=4, maxnreg=t.maxnreg,
     )
 
 
