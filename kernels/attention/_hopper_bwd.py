@@ -47,10 +47,10 @@ Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place 
 and the base 16-byte aligned), padded head dims 64 and 128, no packed batches, eager calls.
 ``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
 
-Speed: on an H100 (bf16) without dropout 1.11-1.22x the portable backward at D 128 from S 1024 on and 0.95-1.16x
-cuDNN there; at D 64 1.04-1.06x the portable backward at S 4096 and 0.90-0.93x cuDNN. With dropout 0.1 1.08-1.42x
-the portable backward at S 512-4096 and 0.79-0.90x cuDNN. The default path takes it without dropout from 1024 queries
-and keys on at D 128 and 4096 at D 64, with dropout from 512 (``configs.prefers_hopper_backward``). Each consumer
+Speed: on an H100 (bf16, public calls) without dropout 1.12-1.22x the portable backward at D 128 from S 1024 on and
+1.09-1.16x at D 64 from S 2048 on; on the benchmark table 0.93-0.99x cuDNN at D 128 and 0.96-1.11x at D 64. With
+dropout 0.1 1.08-1.51x the portable backward (D 128 from S 512, D 64 from S 1024) and 0.78-0.97x cuDNN at S 4096.
+The default path takes it from those lengths on (``configs.prefers_hopper_backward``). Each consumer
 waits on every wgmma it issues, so nothing overlaps the softmax inside a warpgroup; issuing dP^T before P^T is
 computed (0.95-1.02x) and computing dQ one query block late so that the consumers need not wait on each other
 (0.95-1.00x) were measured and not kept. Dropout costs 1.30-1.39x in time at S 4096 (about 370 more instructions per
