@@ -253,10 +253,14 @@ def test_auto_takes_the_hopper_backward_from_its_head_dims_lengths():
             assert not configs.prefers_hopper_backward(block_d, 8192, n - 1, dropout=dropout)
 
 
-def test_auto_takes_the_hopper_forward_at_head_dim_128_on_grids_of_two_programs_per_sm():
-    assert configs.prefers_hopper_forward(128, 264, 132)
-    assert not configs.prefers_hopper_forward(128, 263, 132)
-    assert not configs.prefers_hopper_forward(64, 10_000, 132)
+def test_auto_takes_the_hopper_forward_on_grids_of_two_programs_per_sm_from_its_head_dims_lengths():
+    assert configs.prefers_hopper_forward(128, 264, 132, 1, 1)
+    assert not configs.prefers_hopper_forward(128, 263, 132, 8192, 8192)
+    least = configs.HOPPER_FORWARD_MIN_LENGTH[64]
+    assert configs.prefers_hopper_forward(64, 264, 132, least, least)
+    assert not configs.prefers_hopper_forward(64, 10_000, 132, least - 1, 8192)
+    assert not configs.prefers_hopper_forward(64, 10_000, 132, 8192, least - 1)
+    assert not configs.prefers_hopper_forward(64, 263, 132, 8192, 8192)
 
 
 @pytest.mark.cuda
@@ -264,12 +268,13 @@ def test_auto_takes_the_hopper_forward_at_head_dim_128_on_grids_of_two_programs_
 def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():
     big = _qkv(2, 16, 16, 2048, 2048, 128, torch.bfloat16)  # 512 programs
     small = _qkv(1, 2, 2, 300, 300, 128, torch.bfloat16)
-    narrow = _qkv(2, 16, 16, 2048, 2048, 64, torch.bfloat16)
+    narrow_long = _qkv(2, 32, 32, 2048, 2048, 64, torch.bfloat16)  # 704 programs of 192 rows
+    narrow_short = _qkv(8, 32, 32, 1024, 1024, 64, torch.bfloat16)
     with configs.forced_path("auto"):
-        assert ops.uses_hopper_forward(*big)
-        assert not ops.uses_hopper_forward(*small) and not ops.uses_hopper_forward(*narrow)
+        assert ops.uses_hopper_forward(*big) and ops.uses_hopper_forward(*narrow_long)
+        assert not ops.uses_hopper_forward(*small) and not ops.uses_hopper_forward(*narrow_short)
     with configs.forced_path("hopper"):
-        assert ops.uses_hopper_forward(*small) and ops.uses_hopper_forward(*narrow)
+        assert ops.uses_hopper_forward(*small) and ops.uses_hopper_forward(*narrow_short)
 
 
 @pytest.mark.cuda

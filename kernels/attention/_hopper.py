@@ -5,31 +5,35 @@ Implements the same forward as ``_attn_fwd_kernel`` (``kernels/attention/_kernel
 ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (causal: RIGHT = 0), GQA/MQA, Sq != Sk, any
 (batch, head, sequence) strides. The portable kernel stays the readable version and runs everywhere else.
 
-Schedule (one program = 128 query rows of one (batch, query head)):
-- a **producer** warp issues TMA loads: the two 64-row halves of the Q tile once, then each K and V block
+Schedule (one program = 64 query rows per consumer warpgroup, two or three consumers, of one (batch, query head)):
+- a **producer** warp issues TMA loads: each consumer's 64-row part of the Q tile once, then each K and V block
   into a ring of ``STAGES`` shared-memory slots. Each slot has a "ready" mbarrier (the TMA transaction
-  count completes it) and an "empty" one (both consumers arrive once they have read it). K and V have
+  count completes it) and an "empty" one (every consumer arrives once it has read it). K and V have
   separate barriers so that Q K^T starts before V has landed.
-- two **consumer** warpgroups (the default partition and one worker) own 64 query rows each and run the
+- the **consumer** warpgroups (the default partition and one or two workers) own 64 query rows each and run the
   online softmax on their own rows; the warp scheduler interleaves them, so one's exp2 runs beside the
-  other's matmuls.
+  others' matmuls. Each walks the key blocks its own rows need (its own last block, its own unmasked interior)
+  and releases the program's later blocks unread; one whose rows all lie past Sq computes nothing.
 - inside a consumer, the softmax of block j overlaps the tensor cores: Q K_j^T is issued, then P_{j-1}
   V_{j-1} is issued with P_{j-1} in registers (no shared-memory round trip), and only then does the warp
   group wait for the first and compute exp2 on block j while the second still runs.
-- register budget: the producer warpgroup gives its registers back (24 per thread) and each consumer
-  takes 240, the split that lets two 64 x 128 fp32 accumulators (S and O) and P live in registers.
+- register budget (``configs.HOPPER_FORWARD``): the producer warpgroup gives its registers back (24 per thread)
+  and the consumers share the rest: at D 128 two consumers of 240 (two 64 x 128 fp32 accumulators, S and O, and
+  P), at D 64 three of 160 (S 64 x 128, O 64 x 64, P), because at D 64 two consumers leave the tensor cores
+  waiting on the softmax and a third warpgroup fills that time.
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
 and base address are 16-byte aligned (TMA), padded head dims 64 and 128 (33-128; the TMA box pads with
 zeros and clips the store), no dropout, no packed batches, eager calls (under torch.compile the registered
 op runs the portable kernel). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
-(``configs.prefers_hopper_forward``: the default path takes padded D 128 on grids of two programs per SM
-or more); the backward has its own kernel (``_hopper_bwd.py``).
+(``configs.prefers_hopper_forward``: the default path takes grids of two programs per SM or more, at D 64 from
+S 2048); the backward has its own kernel (``_hopper_bwd.py``).
 
 Trade-offs: masks are applied at run time per key block (a uniform branch), so blocks crossing a band edge
-or the end of K pay for the compare-and-select and interior blocks do not; 168 registers per thread leave
-room for one program per SM, so a short program's prologue and epilogue run alone (why D 64 and small
-grids stay on the portable kernel); no ping-pong barrier between the two consumers yet.
+or the end of K pay for the compare-and-select and interior blocks do not; the registers leave room for one
+program per SM, so a short program's prologue and epilogue run alone (why short sequences and small grids stay
+on the portable kernel); no ping-pong barrier between the consumers (measured: no gain), and every exp2 on the
+special-function unit (moving part of them to a polynomial on the FMA pipe measured slower).
 """
 
 from triton.experimental import gluon
@@ -44,11 +48,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.attention import _kernels as _portable
 
-__all__ = ["QUERY_ROWS", "_attn_fwd_hopper_kernel", "gl", "register_operand", "warpgroup_accumulator"]
+__all__ = ["CONSUMER_ROWS", "_attn_fwd_hopper_kernel", "gl", "register_operand", "warpgroup_accumulator"]
 
-#: query rows per program: two consumer warpgroups of 64 rows (the wgmma M of one warpgroup)
-QUERY_ROWS = 128
-HALF_M: gl.constexpr = gl.constexpr(QUERY_ROWS // 2)
+#: query rows per consumer warpgroup (the wgmma M of one warpgroup); a program has two or three consumers
+CONSUMER_ROWS = 64
+HALF_M: gl.constexpr = gl.constexpr(CONSUMER_ROWS)
 _LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
@@ -69,9 +73,10 @@ def register_operand(accumulator):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-              b, h, hk, m0, start, end, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    for half in gl.static_range(2):
+def _producer(loads, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, b, h, hk, m0, start,
+     end) = loads
+    for half in gl.static_range(CONSUMERS):
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * HALF_M, 0], q_ready.index(half),
                                         q_smem.index(half))
@@ -122,24 +127,32 @@ def _softmax_step(s, m_i, l_i, rows, n0, full_lo, full_hi, Sk, lo_shift, hi_shif
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr,
-              stride_lb, stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo, full_hi, end,
-              HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer(shared, HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer ``HALF``'s 64 rows (``shared``: the arguments every consumer takes alike). It computes over the key
+    blocks its own rows need (the program's first block to its own last, interior blocks by its own rows), then
+    releases the program's remaining blocks unread; a consumer whose rows all lie past Sq computes nothing."""
+    (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr, stride_lb, stride_lh, b, h,
+     m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, end) = shared
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = warpgroup_accumulator(BLOCK_N)
     o_layout: gl.constexpr = warpgroup_accumulator(BLOCK_D)
     p_layout: gl.constexpr = register_operand(o_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+    m_own = m0 + HALF * HALF_M
+    rows = m_own + gl.arange(0, HALF_M, layout=row_layout)
+    _, full_lo, full_hi, own_end = _key_blocks(m_own, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, HALF_M, BLOCK_N)
+    if m_own >= Sq:
+        own_end = start
     q_tile = q_smem.index(HALF).reshape([HALF_M, BLOCK_D])
 
     m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
     acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-    n_blocks = gl.cdiv(end - start, BLOCK_N)
+    n_blocks = gl.cdiv(own_end - start, BLOCK_N)
+    # waited for even with nothing to compute: O is staged where Q lands
     mbarrier.wait(q_ready.index(HALF), 0)
     if n_blocks > 0:
         # block 0: scores and softmax only; its P V is issued in the next step
@@ -176,30 +189,30 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(v_empty.index(last), count=1)
 
-    # l = 0 only for a row that saw no key; `l > 0` would turn a NaN row into zeros instead of propagating it
-    seen = ~(l_i == 0.0)
-    safe_l = gl.where(seen, l_i, 1.0)
-    inv_l = gl.convert_layout(1.0 / safe_l, o_row_layout)
-    o = acc * gl.expand_dims(inv_l, 1)
-    o = gl.where(gl.expand_dims(gl.convert_layout(seen, o_row_layout), 1), o, 0.0)
-    lse = gl.where(seen, (m_i + gl.log2(safe_l)) * _LN2, float("-inf"))
-    lse_base = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-    gl.store(lse_base + rows, lse, mask=rows < Sq)
-    # Q is no longer read: its shared memory stages O for the TMA store (which clips rows past Sq)
-    q_tile.store(o.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, m0 + HALF * HALF_M, 0], q_smem.index(HALF))
+    if m_own < Sq:
+        # l = 0 only for a row that saw no key; `l > 0` would turn a NaN row into zeros instead of propagating it
+        seen = ~(l_i == 0.0)
+        safe_l = gl.where(seen, l_i, 1.0)
+        inv_l = gl.convert_layout(1.0 / safe_l, o_row_layout)
+        o = acc * gl.expand_dims(inv_l, 1)
+        o = gl.where(gl.expand_dims(gl.convert_layout(seen, o_row_layout), 1), o, 0.0)
+        lse = gl.where(seen, (m_i + gl.log2(safe_l)) * _LN2, float("-inf"))
+        lse_base = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+        gl.store(lse_base + rows, lse, mask=rows < Sq)
+        # Q is no longer read: its shared memory stages O for the TMA store (which clips rows past Sq)
+        q_tile.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, m0 + HALF * HALF_M, 0], q_smem.index(HALF))
+    # the blocks past this consumer's own rows: wait for each to land (an arrival counts toward the phase in
+    # flight) and release it, so that the producer can refill the slot for the other consumers
+    for i in range(n_blocks, gl.cdiv(end - start, BLOCK_N)):
+        slot = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot), count=1)
     tma.store_wait(0)
-
-
-@gluon.jit
-def _consumer_worker(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr,
-                     stride_lb, stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo, full_hi,
-                     end, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
-                     BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr, stride_lb,
-              stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo, full_hi, end, 1,
-              HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk"])
@@ -208,10 +221,12 @@ def _attn_fwd_hopper_kernel(
     lse_ptr, stride_lb, stride_lh,  # (B, Hq, Sq) fp32 output, 1 along the sequence
     Hq, GROUP, Sq, Sk, scale_log2, LEFT, RIGHT,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = 2 * HALF_M
-    FIRST_HALF: gl.constexpr = 0
+    BLOCK_M: gl.constexpr = CONSUMERS * HALF_M
+    FIRST: gl.constexpr = 0
+    SECOND: gl.constexpr = 1
+    THIRD: gl.constexpr = 2
     pid_m = gl.program_id(0)
     if HAS_RIGHT:
         pid_m = gl.num_programs(0) - 1 - pid_m  # longest query blocks first
@@ -223,32 +238,37 @@ def _attn_fwd_hopper_kernel(
     scale_log2 = scale_log2.to(gl.float32)
     lo_shift = Sk - Sq - LEFT
     hi_shift = Sk - Sq + RIGHT
-    start, full_lo, full_hi, end = _key_blocks(m0, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    start, _, _, end = _key_blocks(m0, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
 
     # list concatenation, not [n, *shape]: the Gluon frontend has no starred expressions
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # noqa: RUF005
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)  # noqa: RUF005
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer releases a slot
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr, stride_lb,
-                     stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo, full_hi, end,
-                     FIRST_HALF, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)),
-        (_consumer_worker, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr,
-                            stride_lb, stride_lh, b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, full_lo,
-                            full_hi, end, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                     b, h, hk, m0, start, end, BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    shared = (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, lse_ptr, stride_lb, stride_lh,
+              b, h, m0, Sq, Sk, scale_log2, lo_shift, hi_shift, start, end)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, b, h, hk, m0,
+             start, end)
+    # the third consumer's entry only when there is one: a partition list is fixed when the kernel is traced (and
+    # constexprs stay constexprs only written into each entry, not carried in a tuple variable)
+    if CONSUMERS == 3:
+        gl.warp_specialize([(_consumer, (shared, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)),
+                            (_consumer, (shared, SECOND, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)),
+                            (_consumer, (shared, THIRD, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)),
+                            (_producer, (loads, BLOCK_N, STAGES, CONSUMERS))], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consumer, (shared, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)),
+                            (_consumer, (shared, SECOND, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES)),
+                            (_producer, (loads, BLOCK_N, STAGES, CONSUMERS))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -145,18 +145,26 @@ PATHS = ("auto", "hopper", "portable")
 
 
 class HopperForwardTile(NamedTuple):
-    block_n: int  # keys per block (the query tile is 128 rows: two 64-row consumer warpgroups)
+    block_n: int  # keys per block
     stages: int  # K/V shared-memory ring slots
+    consumers: int  # 64-row consumer warpgroups per program (2 or 3): the query tile is 64 * consumers rows
     consumer_regs: int  # registers per thread of each consumer warpgroup (setmaxnreg)
     producer_regs: int  # of the TMA producer warpgroup
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
 
+    @property
+    def query_rows(self) -> int:
+        return 64 * self.consumers
+
 
 #: Hopper forward tiles by padded head dim: S and O accumulators (64 x BLOCK_N and 64 x D fp32 per warpgroup)
-#: and P must fit in 240 registers; Q (128 x D) plus the K/V ring in 227 KiB of shared memory.
+#: and P must fit in a consumer's registers (64K per SM over the consumers and the producer's 24); Q (64 x D per
+#: consumer) plus the K/V ring in 227 KiB of shared memory.
 HOPPER_FORWARD: dict[int, HopperForwardTile] = {
-    64: HopperForwardTile(128, 2, 240, 24, 168),
-    128: HopperForwardTile(128, 2, 240, 24, 168),
+    # D 64: three consumers of 160 registers (S, P and a 64 x 64 O fit), 1.03-1.10x two consumers of 240 at
+    # S 3000-16384 (H100, bf16, interleaved rounds): a third warpgroup's matmuls run under the others' softmax
+    64: HopperForwardTile(128, 2, 3, 160, 24, 128),
+    128: HopperForwardTile(128, 2, 2, 240, 24, 168),
 }
 
 
@@ -184,13 +192,23 @@ HOPPER_BACKWARD: dict[int, HopperBackwardTile] = {
 HOPPER_MIN_PROGRAMS_PER_SM = 2
 
 
-def prefers_hopper_forward(block_d: int, programs: int, sms: int) -> bool:
-    """Whether ``auto`` runs a supported forward call on the Hopper kernel: at head dims padded to 128 on a
-    grid of at least :data:`HOPPER_MIN_PROGRAMS_PER_SM` programs per SM. At 64 the portable kernel is as
-    fast at long sequences and faster at short ones (H100, bf16: S 4096 424 vs 417 TFLOP/s, causal S 1024
-    215 vs 251): the Hopper kernel's 168 registers per thread leave room for one program per SM, and a
-    short program's prologue and epilogue then run alone."""
-    return block_d == 128 and programs >= HOPPER_MIN_PROGRAMS_PER_SM * sms
+#: ``auto`` takes the Hopper forward when queries and keys both reach this length, by padded head dim.
+HOPPER_FORWARD_MIN_LENGTH: dict[int, int] = {64: 2048, 128: 1}
+
+
+def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: int) -> bool:
+    """Whether ``auto`` runs a supported forward call (padded head dim ``block_d``, ``programs`` Hopper programs on
+    ``sms`` SMs, lengths ``sq`` and ``sk``) on the Hopper kernel: on a grid of at least
+    :data:`HOPPER_MIN_PROGRAMS_PER_SM` programs per SM, with Sq and Sk both reaching
+    :data:`HOPPER_FORWARD_MIN_LENGTH`. Measured on an H100 (bf16, kernels alone, interleaved rounds), Hopper /
+    portable forward at D 64, with three consumers of 64 rows: 1.00-1.05x at S 2048 (16k to 64k tokens, H 32),
+    1.04-1.07x at S 2560-4096, 1.10-1.14x at S 16384; but 0.94x at S 2000 on 704 programs, 0.95x at S 1536 causal,
+    0.79-0.96x at S 1024, where a program is short enough that its prologue and epilogue, with one program per SM,
+    weigh. At D 128 the length does not matter (1 in the table)."""
+    if programs < HOPPER_MIN_PROGRAMS_PER_SM * sms:
+        return False
+    least = HOPPER_FORWARD_MIN_LENGTH[block_d]
+    return sq >= least and sk >= least
 
 
 #: ``auto`` takes the Hopper backward without dropout when queries and keys both reach this length, by padded head

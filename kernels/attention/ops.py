@@ -156,8 +156,8 @@ def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
         return False
     if path == "hopper":
         return True
-    programs = cdiv(q.shape[2], _hopper.QUERY_ROWS) * q.shape[0] * q.shape[1]
-    return configs.prefers_hopper_forward(bd, programs, configs.sm_count(q.device))
+    programs = cdiv(q.shape[2], configs.HOPPER_FORWARD[bd].query_rows) * q.shape[0] * q.shape[1]
+    return configs.prefers_hopper_forward(bd, programs, configs.sm_count(q.device), q.shape[2], k.shape[2])
 
 
 _GLUON_DTYPES = {torch.float16: _hopper.gl.float16, torch.bfloat16: _hopper.gl.bfloat16}
@@ -178,14 +178,14 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
     t = configs.HOPPER_FORWARD[bd]
-    q_block, kv_block = (1, 1, _hopper.QUERY_ROWS // 2, bd), (1, 1, t.block_n, bd)
+    q_block, kv_block = (1, 1, _hopper.CONSUMER_ROWS, bd), (1, 1, t.block_n, bd)
     band, band_flags = _band(left, right)
-    grid = (cdiv(sq, _hopper.QUERY_ROWS), b * hq)
+    grid = (cdiv(sq, t.query_rows), b * hq)
     kernel_for(_hopper._attn_fwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block), _descriptor(o, q_block),
         lse, lse.stride(0), lse.stride(1), hq, hq // hkv, sq, sk, scale * 1.4426950408889634, *band, **band_flags,
-        BLOCK_N=t.block_n, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs,
-        num_warps=4, maxnreg=t.maxnreg,
+        BLOCK_N=t.block_n, BLOCK_D=bd, STAGES=t.stages, CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs,
+        PRODUCER_REGS=t.producer_regs, num_warps=4, maxnreg=t.maxnreg,
     )
 
 
