@@ -103,6 +103,24 @@ def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(ca
 
 @pytest.mark.cuda
 @needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_persistent_hopper_forward_program_walks_several_tiles_as_the_portable_kernel_would(dtype):
+    # 3 query tiles (the last one partly past Sq) x 160 heads: 480 tiles, several per program on any Hopper GPU
+    q, k, v = _qkv(4, 40, 8, 300, 700, 128, dtype)
+    rows = configs.HOPPER_FORWARD[128].query_rows
+    tiles = (300 + rows - 1) // rows * 4 * 40
+    assert configs.HOPPER_FORWARD[128].persistent and tiles > 2 * configs.sm_count(q.device)
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_forward(q, k, v)
+        o, lse = flash_attention(q, k, v, return_lse=True)
+    with configs.forced_path("portable"):
+        o_portable, lse_portable = flash_attention(q, k, v, return_lse=True)
+    torch.testing.assert_close(o, o_portable, rtol=0, atol=ATOL[dtype])
+    torch.testing.assert_close(lse, lse_portable, rtol=0, atol=1e-4)
+
+
+@pytest.mark.cuda
+@needs_hopper
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=str)
 def test_hopper_backward_equals_the_portable_backward_and_is_no_worse_than_torch(case):
     *dims, causal, window, dtype, layout = case

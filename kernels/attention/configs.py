@@ -151,6 +151,7 @@ class HopperForwardTile(NamedTuple):
     consumer_regs: int  # registers per thread of each consumer warpgroup (setmaxnreg)
     producer_regs: int  # of the TMA producer warpgroup
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
+    persistent: bool = True  # calls without a band run one program per SM walking the tiles (else one per tile)
 
     @property
     def query_rows(self) -> int:
@@ -163,7 +164,7 @@ class HopperForwardTile(NamedTuple):
 HOPPER_FORWARD: dict[int, HopperForwardTile] = {
     # D 64: three consumers of 160 registers (S, P and a 64 x 64 O fit), 1.03-1.10x two consumers of 240 at
     # S 3000-16384 (H100, bf16, interleaved rounds): a third warpgroup's matmuls run under the others' softmax
-    64: HopperForwardTile(128, 2, 3, 160, 24, 128),
+    64: HopperForwardTile(128, 2, 3, 160, 24, 128, persistent=False),
     128: HopperForwardTile(128, 2, 2, 240, 24, 168),
 }
 
