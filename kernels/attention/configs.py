@@ -163,7 +163,8 @@ class HopperForwardTile(NamedTuple):
 #: consumer) plus the K/V ring in 227 KiB of shared memory.
 HOPPER_FORWARD: dict[int, HopperForwardTile] = {
     # D 64: three consumers of 160 registers (S, P and a 64 x 64 O fit), 1.03-1.10x two consumers of 240 at
-    # S 3000-16384 (H100, bf16, interleaved rounds): a third warpgroup's matmuls run under the others' softmax
+    # S 3000-16384 (H100, bf16, interleaved rounds): a third warpgroup's matmuls run under the others' softmax.
+    # Not persistent: the tile loop's state would spill these 160-register consumers.
     64: HopperForwardTile(128, 2, 3, 160, 24, 128, persistent=False),
     128: HopperForwardTile(128, 2, 2, 240, 24, 168),
 }
