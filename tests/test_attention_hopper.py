@@ -104,17 +104,21 @@ def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(ca
 @pytest.mark.cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_a_persistent_hopper_forward_program_walks_several_tiles_as_the_portable_kernel_would(dtype):
-    # 3 query tiles (the last one partly past Sq) x 160 heads: 480 tiles, several per program on any Hopper GPU
-    q, k, v = _qkv(4, 40, 8, 300, 700, 128, dtype)
+@pytest.mark.parametrize("causal, sq, sk", [(False, 300, 700), (True, 300, 700), (True, 700, 300)], ids=str)
+def test_a_persistent_hopper_forward_program_walks_several_tiles_as_the_portable_kernel_would(causal, sq, sk, dtype):
+    # 3 or 6 query tiles (the last one partly past Sq) x 160 heads, several per program on any Hopper GPU; causal,
+    # a program takes a head's longest and shortest tiles together: with Sq 300 the middle tile goes alone, with
+    # Sq 700 > Sk the first three tiles see no key
+    q, k, v = _qkv(4, 40, 8, sq, sk, 128, dtype)
     rows = configs.HOPPER_FORWARD[128].query_rows
-    tiles = (300 + rows - 1) // rows * 4 * 40
-    assert configs.HOPPER_FORWARD[128].persistent and tiles > 2 * configs.sm_count(q.device)
+    tiles_m = (sq + rows - 1) // rows
+    items = ((tiles_m + 1) // 2 if causal else tiles_m) * 4 * 40
+    assert configs.HOPPER_FORWARD[128].persistent and items > 2 * configs.sm_count(q.device)
     with configs.forced_path("hopper"):
         assert ops.uses_hopper_forward(q, k, v)
-        o, lse = flash_attention(q, k, v, return_lse=True)
+        o, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
     with configs.forced_path("portable"):
-        o_portable, lse_portable = flash_attention(q, k, v, return_lse=True)
+        o_portable, lse_portable = flash_attention(q, k, v, causal=causal, return_lse=True)
     torch.testing.assert_close(o, o_portable, rtol=0, atol=ATOL[dtype])
     torch.testing.assert_close(lse, lse_portable, rtol=0, atol=1e-4)
 

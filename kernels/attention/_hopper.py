@@ -21,13 +21,16 @@ Schedule (one program = 64 query rows per consumer warpgroup, two or three consu
   and the consumers share the rest: at D 128 two consumers of 240 (two 64 x 128 fp32 accumulators, S and O, and
   P), at D 64 three of 160 (S 64 x 128, O 64 x 64, P), because at D 64 two consumers leave the tensor cores
   waiting on the softmax and a third warpgroup fills that time.
-- **persistent** (``PERSISTENT``, D 128 calls without a band): one program per SM takes the tiles round robin; the
-  K/V ring and the barrier phases run on across tiles, a consumer releases its Q rows once its last Q K^T is done
-  (the producer loads the next tile's Q while it finishes) and stages O in its own shared-memory tile. Every tile
-  of a call without a band costs the same, so the static deal is balanced; with a causal mask or a window tiles
-  differ, and one program per tile lets the hardware's dispatch balance them and keep the programs that run side
-  by side on the same heads' K and V in L2 (the static deal measured 0.55-0.85x there). At D 64 the persistent
-  loop's extra state spills three consumers of 160 registers (104 bytes), so D 64 runs one program per tile.
+- **persistent** (``PERSISTENT``, D 128 calls without a left band edge): one program per SM takes work items round
+  robin; the K/V ring and the barrier phases run on across tiles, a consumer releases its Q rows once its last
+  Q K^T is done (the producer loads the next tile's Q while it finishes) and stages O in its own shared-memory
+  tile. A static deal needs items of equal cost: without a band every tile is one; under a causal mask (a right
+  edge alone) an item is a head's i-th longest and i-th shortest query blocks together (``PAIRED``), whose key
+  blocks add up to the same count. Dealing the causal tiles singly measured 0.55-0.85x one program per tile (the
+  programs' work differed up to 2x and they drifted apart onto different heads, out of each other's K/V in L2);
+  the pairs measured 1.08-1.16x of it from S 1024 to 4096 (1.00x at 16384). A left edge makes tiles differ
+  otherwise (one program per tile, balanced by the hardware's dispatch). At D 64 the persistent loop's extra state
+  spills three consumers of 160 registers (104 bytes; 204 paired), so D 64 runs one program per tile.
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
 and base address are 16-byte aligned (TMA), padded head dims 64 and 128 (33-128; the TMA box pads with
@@ -81,15 +84,47 @@ def register_operand(accumulator):
 
 
 @gluon.jit
-def _tile(tile, tiles_m, Hq, GROUP, Sk, lo_shift, hi_shift, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """``(b, h, hk, m0, start, end)`` of work tile ``tile``. A head's query blocks are consecutive tiles, so the
-    programs running side by side share its K and V in L2; with a causal mask the longest block of a head comes
-    first."""
-    pid_m = tile % tiles_m
+def _items(tiles_m, heads, PAIRED: gl.constexpr):
+    """``(per_head, items)``: the call's work items, each one query block of a (batch, head), or with ``PAIRED`` a
+    head's i-th longest and i-th shortest query blocks together (under a causal mask every pair costs the same)."""
+    if PAIRED:
+        per_head = (tiles_m + 1) // 2
+    else:
+        per_head = tiles_m
+    return per_head, per_head * heads
+
+
+@gluon.jit
+def _turns(items, PERSISTENT: gl.constexpr):
+    """How many work items this program takes: ``items`` dealt round robin over the programs, or its own one."""
+    if PERSISTENT:
+        turns = gl.cdiv(items - gl.program_id(0), gl.num_programs(0))
+    else:
+        turns = 1
+    return turns
+
+
+@gluon.jit
+def _item_blocks(turn, per_head, tiles_m, HAS_RIGHT: gl.constexpr, PAIRED: gl.constexpr):
+    """``(bh, first, second, count)`` of this program's work item ``turn``: its (batch, head), its query blocks and
+    how many it has. A head's query blocks are consecutive items, so the programs running side by side share its K
+    and V in L2; with a causal mask the longest block of a head comes first."""
+    item = gl.program_id(0) + turn * gl.num_programs(0)
+    bh = item // per_head
+    i = item % per_head
+    first = i
     if HAS_RIGHT:
-        pid_m = tiles_m - 1 - pid_m
-    bh = tile // tiles_m
+        first = tiles_m - 1 - i
+    count = 1
+    if PAIRED:
+        count = 2 - (first == i).to(gl.int32)
+    return bh, first, i, count
+
+
+@gluon.jit
+def _tile(bh, pid_m, Hq, GROUP, Sk, lo_shift, hi_shift, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``(b, h, hk, m0, start, end)`` of query block ``pid_m`` of (batch, head) ``bh``."""
     h = bh % Hq
     m0 = pid_m * BLOCK_M
     start, _, _, end = _key_blocks(m0, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
@@ -97,43 +132,47 @@ def _tile(tile, tiles_m, Hq, GROUP, Sk, lo_shift, hi_shift, HAS_LEFT: gl.constex
 
 
 @gluon.jit
-def _turns(tiles, PERSISTENT: gl.constexpr):
-    """How many tiles this program takes: ``tiles`` dealt round robin over the programs, or its own one."""
-    if PERSISTENT:
-        turns = gl.cdiv(tiles - gl.program_id(0), gl.num_programs(0))
-    else:
-        turns = 1
-    return turns
+def _producer(loads, tiling, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, PAIRED: gl.constexpr):
+    """The TMA loads of each tile the program takes, in the order the consumers use them (``_load_tile``)."""
+    items, per_head, tiles_m, _, _, _, _, _ = tiling
+    block = 0  # K/V blocks loaded so far: the ring runs on across tiles
+    tile = 0  # tiles this program has taken before this one
+    for turn in range(_turns(items, PERSISTENT)):
+        bh, first, second, count = _item_blocks(turn, per_head, tiles_m, HAS_RIGHT, PAIRED)
+        for j in range(count):
+            block = _load_tile(loads, tiling, bh, first + j * (second - first), block, tile, HAS_LEFT, HAS_RIGHT,
+                               BLOCK_N, STAGES, CONSUMERS)
+            tile += 1
 
 
 @gluon.jit
-def _producer(loads, tiling, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
+def _load_tile(loads, tiling, bh, pid_m, block, tile, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Q rows of query block ``pid_m`` of (batch, head) ``bh`` (the program's tile number ``tile``), then its K and
+    V blocks into the ring from the ring's block number ``block``; returns the ring's count after the tile."""
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = loads
-    tiles, tiles_m, Hq, GROUP, Sk, lo_shift, hi_shift = tiling
-    block = 0  # K/V blocks loaded so far: the ring runs on across tiles
-    # turn: tiles this program has taken before this one (tiles pid, pid + programs, ...)
-    for turn in range(_turns(tiles, PERSISTENT)):
-        tile = gl.program_id(0) + turn * gl.num_programs(0)
-        b, h, hk, m0, start, end = _tile(tile, tiles_m, Hq, GROUP, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT,
-                                         CONSUMERS * HALF_M, BLOCK_N)
-        for part in gl.static_range(CONSUMERS):
-            # a fresh mbarrier counts as having completed the phase before 0: the first wait returns at once
-            mbarrier.wait(q_empty.index(part), (turn & 1) ^ 1)
-            mbarrier.expect(q_ready.index(part), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + part * HALF_M, 0], q_ready.index(part),
-                                            q_smem.index(part))
-        for i in range(gl.cdiv(end - start, BLOCK_N)):
-            slot = block % STAGES
-            phase = ((block // STAGES) & 1) ^ 1
-            n0 = start + i * BLOCK_N
-            mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], k_ready.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], v_ready.index(slot), v_smem.index(slot))
-            block += 1
+    _, _, _, Hq, GROUP, Sk, lo_shift, hi_shift = tiling
+    b, h, hk, m0, start, end = _tile(bh, pid_m, Hq, GROUP, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT,
+                                     CONSUMERS * HALF_M, BLOCK_N)
+    for part in gl.static_range(CONSUMERS):
+        # a fresh mbarrier counts as having completed the phase before 0: the first wait returns at once
+        mbarrier.wait(q_empty.index(part), (tile & 1) ^ 1)
+        mbarrier.expect(q_ready.index(part), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + part * HALF_M, 0], q_ready.index(part),
+                                        q_smem.index(part))
+    for i in range(gl.cdiv(end - start, BLOCK_N)):
+        slot = block % STAGES
+        phase = ((block // STAGES) & 1) ^ 1
+        n0 = start + i * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], v_ready.index(slot), v_smem.index(slot))
+        block += 1
+    return block
 
 
 @gluon.jit
@@ -172,12 +211,31 @@ def _softmax_step(s, m_i, l_i, rows, n0, full_lo, full_hi, Sk, lo_shift, hi_shif
 @gluon.jit
 def _consumer(buffers, tiling, out, HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-              PERSISTENT: gl.constexpr):
-    """Consumer ``HALF``'s 64 rows of each tile the program takes. In a tile it computes over the key blocks its own
-    rows need (the tile's first block to its own last, interior blocks by its own rows), then releases the tile's
-    remaining blocks unread; a consumer whose rows all lie past Sq computes nothing."""
+              PERSISTENT: gl.constexpr, PAIRED: gl.constexpr):
+    """Consumer ``HALF``'s 64 rows of each tile the program takes (``_consume_tile``)."""
+    items, per_head, tiles_m, _, _, _, _, _ = tiling
+    block = 0  # K/V blocks of the ring passed so far, as the producer counts them
+    tile = 0  # tiles this program has taken before this one
+    for turn in range(_turns(items, PERSISTENT)):
+        bh, first, second, count = _item_blocks(turn, per_head, tiles_m, HAS_RIGHT, PAIRED)
+        for j in range(count):
+            block = _consume_tile(buffers, tiling, out, bh, first + j * (second - first), block, tile, HALF,
+                                  HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS)
+            tile += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constexpr, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
+    """Consumer ``HALF``'s 64 rows of query block ``pid_m`` of (batch, head) ``bh``, the program's tile number
+    ``tile``, whose first key block is the ring's block number ``block``; returns the ring's count after the tile.
+    It computes over the key blocks its own rows need (the tile's first block to its own last, interior blocks by
+    its own rows), then releases the tile's remaining blocks unread; a consumer whose rows all lie past Sq computes
+    nothing."""
     q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = buffers
-    tiles, tiles_m, Hq, GROUP, Sk, lo_shift, hi_shift = tiling
+    _, _, _, Hq, GROUP, Sk, lo_shift, hi_shift = tiling
     o_desc, lse_ptr, stride_lb, stride_lh, Sq, scale_log2 = out
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = warpgroup_accumulator(BLOCK_N)
@@ -188,89 +246,85 @@ def _consumer(buffers, tiling, out, HALF: gl.constexpr, HAS_LEFT: gl.constexpr, 
     q_tile = q_smem.index(HALF).reshape([HALF_M, BLOCK_D])
     o_tile = o_smem.index(HALF).reshape([HALF_M, BLOCK_D])
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-    block = 0  # K/V blocks of the ring passed so far, as the producer counts them
-    for turn in range(_turns(tiles, PERSISTENT)):
-        tile = gl.program_id(0) + turn * gl.num_programs(0)
-        b, h, _, m0, start, end = _tile(tile, tiles_m, Hq, GROUP, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT,
-                                        CONSUMERS * HALF_M, BLOCK_N)
-        m_own = m0 + HALF * HALF_M
-        rows = m_own + gl.arange(0, HALF_M, layout=row_layout)
-        _, full_lo, full_hi, own_end = _key_blocks(m_own, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, HALF_M,
-                                                   BLOCK_N)
-        if m_own >= Sq:
-            own_end = start
-        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
-        acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, layout=o_layout)
-        n_blocks = gl.cdiv(own_end - start, BLOCK_N)
-        # waited for even with nothing to compute, so that the producer's next load of this Q slot follows this one
-        mbarrier.wait(q_ready.index(HALF), turn & 1)
-        if n_blocks > 0:
-            # block 0: scores and softmax only; its P V is issued in the next step
-            slot = block % STAGES
-            mbarrier.wait(k_ready.index(slot), (block // STAGES) & 1)
+    b, h, _, m0, start, end = _tile(bh, pid_m, Hq, GROUP, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT,
+                                    CONSUMERS * HALF_M, BLOCK_N)
+    m_own = m0 + HALF * HALF_M
+    rows = m_own + gl.arange(0, HALF_M, layout=row_layout)
+    _, full_lo, full_hi, own_end = _key_blocks(m_own, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, HALF_M,
+                                               BLOCK_N)
+    if m_own >= Sq:
+        own_end = start
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+    acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, layout=o_layout)
+    n_blocks = gl.cdiv(own_end - start, BLOCK_N)
+    # waited for even with nothing to compute, so that the producer's next load of this Q slot follows this one
+    mbarrier.wait(q_ready.index(HALF), tile & 1)
+    if n_blocks > 0:
+        # block 0: scores and softmax only; its P V is issued in the next step
+        slot = block % STAGES
+        mbarrier.wait(k_ready.index(slot), (block // STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start, full_lo, full_hi, Sk, lo_shift, hi_shift,
+                                           scale_log2, s_layout, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for i in range(1, n_blocks):
+            prev = (block + i - 1) % STAGES
+            prev_phase = ((block + i - 1) // STAGES) & 1
+            slot = (block + i) % STAGES
+            mbarrier.wait(k_ready.index(slot), ((block + i) // STAGES) & 1)
             s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.wait(v_ready.index(prev), prev_phase)
+            acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
             mbarrier.arrive(k_empty.index(slot), count=1)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start, full_lo, full_hi, Sk, lo_shift, hi_shift,
-                                               scale_log2, s_layout, HAS_LEFT, HAS_RIGHT, BLOCK_N)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            for i in range(1, n_blocks):
-                prev = (block + i - 1) % STAGES
-                prev_phase = ((block + i - 1) // STAGES) & 1
-                slot = (block + i) % STAGES
-                mbarrier.wait(k_ready.index(slot), ((block + i) // STAGES) & 1)
-                s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), prev_phase)
-                acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start + i * BLOCK_N, full_lo, full_hi, Sk,
-                                                   lo_shift, hi_shift, scale_log2, s_layout, HAS_LEFT, HAS_RIGHT,
-                                                   BLOCK_N)
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            # every Q K^T of this tile has completed: the producer may load the next tile's Q rows here
-            mbarrier.arrive(q_empty.index(HALF), count=1)
-            last = block + n_blocks - 1
-            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start + i * BLOCK_N, full_lo, full_hi, Sk,
+                                               lo_shift, hi_shift, scale_log2, s_layout, HAS_LEFT, HAS_RIGHT,
+                                               BLOCK_N)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-        else:
-            mbarrier.arrive(q_empty.index(HALF), count=1)
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # every Q K^T of this tile has completed: the producer may load the next tile's Q rows here
+        mbarrier.arrive(q_empty.index(HALF), count=1)
+        last = block + n_blocks - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+    else:
+        mbarrier.arrive(q_empty.index(HALF), count=1)
 
-        if m_own < Sq:
-            # l = 0 only for a row that saw no key; `l > 0` would turn a NaN row into zeros instead of propagating it
-            seen = ~(l_i == 0.0)
-            safe_l = gl.where(seen, l_i, 1.0)
-            inv_l = gl.convert_layout(1.0 / safe_l, o_row_layout)
-            o = acc * gl.expand_dims(inv_l, 1)
-            o = gl.where(gl.expand_dims(gl.convert_layout(seen, o_row_layout), 1), o, 0.0)
-            lse = gl.where(seen, (m_i + gl.log2(safe_l)) * _LN2, float("-inf"))
-            lse_base = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-            gl.store(lse_base + rows, lse, mask=rows < Sq)
-            # the previous tile's O must have left this staging tile (the TMA store reads it asynchronously)
-            tma.store_wait(0)
-            gl.thread_barrier()
-            o_tile.store(o.to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [b, h, m_own, 0], o_smem.index(HALF))
-        # the tile's blocks past this consumer's own rows: wait for each to land (an arrival counts toward the phase
-        # in flight) and release it, so that the producer can refill the slot for the other consumers
-        for i in range(n_blocks, gl.cdiv(end - start, BLOCK_N)):
-            slot = (block + i) % STAGES
-            phase = ((block + i) // STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            mbarrier.wait(v_ready.index(slot), phase)
-            mbarrier.arrive(v_empty.index(slot), count=1)
-        block += gl.cdiv(end - start, BLOCK_N)
-    tma.store_wait(0)
+    if m_own < Sq:
+        # l = 0 only for a row that saw no key; `l > 0` would turn a NaN row into zeros instead of propagating it
+        seen = ~(l_i == 0.0)
+        safe_l = gl.where(seen, l_i, 1.0)
+        inv_l = gl.convert_layout(1.0 / safe_l, o_row_layout)
+        o = acc * gl.expand_dims(inv_l, 1)
+        o = gl.where(gl.expand_dims(gl.convert_layout(seen, o_row_layout), 1), o, 0.0)
+        lse = gl.where(seen, (m_i + gl.log2(safe_l)) * _LN2, float("-inf"))
+        lse_base = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+        gl.store(lse_base + rows, lse, mask=rows < Sq)
+        # the previous tile's O must have left this staging tile (the TMA store reads it asynchronously)
+        tma.store_wait(0)
+        gl.thread_barrier()
+        o_tile.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, m_own, 0], o_smem.index(HALF))
+    # the tile's blocks past this consumer's own rows: wait for each to land (an arrival counts toward the phase
+    # in flight) and release it, so that the producer can refill the slot for the other consumers
+    for i in range(n_blocks, gl.cdiv(end - start, BLOCK_N)):
+        slot = (block + i) % STAGES
+        phase = ((block + i) // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot), count=1)
+    return block + gl.cdiv(end - start, BLOCK_N)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk"])
@@ -280,13 +334,13 @@ def _attn_fwd_hopper_kernel(
     B, Hq, GROUP, Sq, Sk, scale_log2, LEFT, RIGHT,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    PERSISTENT: gl.constexpr, PAIRED: gl.constexpr,
 ):
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     THIRD: gl.constexpr = 2
     tiles_m = gl.cdiv(Sq, CONSUMERS * HALF_M)
-    tiles = tiles_m * B * Hq
+    per_head, items = _items(tiles_m, B * Hq, PAIRED)
     lo_shift = Sk - Sq - LEFT
     hi_shift = Sk - Sq + RIGHT
 
@@ -311,7 +365,7 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
     buffers = (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
-    tiling = (tiles, tiles_m, Hq, GROUP, Sk, lo_shift, hi_shift)
+    tiling = (items, per_head, tiles_m, Hq, GROUP, Sk, lo_shift, hi_shift)
     out = (o_desc, lse_ptr, stride_lb, stride_lh, Sq, scale_log2.to(gl.float32))
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     # the third consumer's entry only when there is one: a partition list is fixed when the kernel is traced (and
@@ -319,18 +373,18 @@ def _attn_fwd_hopper_kernel(
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (buffers, tiling, out, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT)),
+                         PERSISTENT, PAIRED)),
             (_consumer, (buffers, tiling, out, SECOND, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT)),
+                         PERSISTENT, PAIRED)),
             (_consumer, (buffers, tiling, out, THIRD, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT)),
-            (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT)),
+                         PERSISTENT, PAIRED)),
+            (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT, PAIRED)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (buffers, tiling, out, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT)),
+                         PERSISTENT, PAIRED)),
             (_consumer, (buffers, tiling, out, SECOND, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT)),
-            (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT)),
+                         PERSISTENT, PAIRED)),
+            (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT, PAIRED)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -151,7 +151,7 @@ class HopperForwardTile(NamedTuple):
     consumer_regs: int  # registers per thread of each consumer warpgroup (setmaxnreg)
     producer_regs: int  # of the TMA producer warpgroup
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
-    persistent: bool = True  # calls without a band run one program per SM walking the tiles (else one per tile)
+    persistent: bool = True  # calls without a left band edge: one program per SM walking the tiles (else one per tile)
 
     @property
     def query_rows(self) -> int:

@@ -180,17 +180,21 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     t = configs.HOPPER_FORWARD[bd]
     q_block, kv_block = (1, 1, _hopper.CONSUMER_ROWS, bd), (1, 1, t.block_n, bd)
     band, band_flags = _band(left, right)
-    tiles = cdiv(sq, t.query_rows) * b * hq
-    # without a band every tile costs the same, and one program per SM walking them in turn overlaps a tile's
-    # epilogue with the next one's loads; with one, tiles differ and the hardware's dispatch of one program per tile
-    # balances them (and keeps the programs running side by side on the same heads' K and V, in L2)
-    persistent = t.persistent and not band_flags["HAS_LEFT"] and not band_flags["HAS_RIGHT"]
-    grid = (min(tiles, configs.sm_count(q.device)) if persistent else tiles,)
+    tiles_m = cdiv(sq, t.query_rows)
+    # one program per SM walking the work items in turn overlaps a tile's epilogue with the next one's loads. The
+    # items must cost the same for that static deal: without a band every tile does; under a causal mask (or a
+    # right edge alone) a head's i-th longest and i-th shortest query blocks together do (PAIRED). A left edge
+    # leaves tiles that differ otherwise: one program per tile, balanced by the hardware's dispatch.
+    persistent = t.persistent and not band_flags["HAS_LEFT"]
+    paired = persistent and band_flags["HAS_RIGHT"]
+    items = (cdiv(tiles_m, 2) if paired else tiles_m) * b * hq
+    grid = (min(items, configs.sm_count(q.device)) if persistent else tiles_m * b * hq,)
     kernel_for(_hopper._attn_fwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block), _descriptor(o, q_block),
         lse, lse.stride(0), lse.stride(1), b, hq, hq // hkv, sq, sk, scale * 1.4426950408889634, *band, **band_flags,
         BLOCK_N=t.block_n, BLOCK_D=bd, STAGES=t.stages, CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs,
-        PRODUCER_REGS=t.producer_regs, PERSISTENT=persistent, num_warps=4, maxnreg=t.maxnreg,
+        PRODUCER_REGS=t.producer_regs, PERSISTENT=persistent, PAIRED=paired, num_warps=4,
+        maxnreg=t.maxnreg,
     )
 
 
