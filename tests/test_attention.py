@@ -667,6 +667,24 @@ def test_registered_ops_pass_opcheck():
     torch.library.opcheck(fwd, (qp, kp, vp, -1, 0, 0.2, 0.0, 0, None, cu_q, cu_k, 40, 30))
 
 
+def test_the_opaque_ops_of_compiled_hopper_calls_pass_opcheck():
+    """A compiled call that can take the Hopper kernels goes through ``flash_attn_fwd_gluon`` / ``_bwd_gluon``, which
+    run the eager dispatch (any kernel, any device) and give the registered ops' results."""
+    q, k, v = (t.to(DEVICE) for t in _qkv(1, 4, 2, 70, 50, 64, dtype=torch.float32))
+    fwd, bwd = torch.ops.fused_kernels.flash_attn_fwd_gluon, torch.ops.fused_kernels.flash_attn_bwd_gluon
+    torch.library.opcheck(fwd.default, (q, k, v, 16, 0, 0.125))
+    o, lse = fwd(q, k, v, 16, 0, 0.125)
+    expected = torch.ops.fused_kernels.flash_attn_fwd(q, k, v, 16, 0, 0.125, 0.0, 0, None, None, None, 0, 0)
+    assert torch.equal(o, expected[0]) and torch.equal(lse, expected[1])
+    do = torch.randn_like(o)
+    for dropout_p, seed in ((0.0, 0), (0.2, -5)):
+        args = (do, q, k, v, o, lse, 16, 0, 0.125, dropout_p, seed, None)
+        torch.library.opcheck(bwd.default, args)
+        grads = torch.ops.fused_kernels.flash_attn_bwd(*args, None, None, 0, 0)
+        for a, b in zip(bwd(*args), grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_a_seed_on_the_device_keys_the_same_mask_as_the_int():
     """The ops' ``seed_tensor`` (how seed=None travels under torch.compile and CUDA graphs) is read by the
     kernels as the int64 whose bits the int seed gives: forward and backward match the int path bitwise."""

@@ -330,6 +330,39 @@ def test_calls_the_hopper_kernels_do_not_take_run_the_portable_kernels(why):
         assert_no_worse_than_torch("o", o, peer, reference, atol=2e-5 if dtype == torch.float32 else 1.6e-2)
 
 
+@pytest.mark.cuda
+@needs_hopper
+def test_a_compiled_call_runs_the_hopper_kernels_and_matches_eager(monkeypatch):
+    """Under torch.compile the Gluon kernels run inside opaque ops (they cannot be traced as the portable kernels
+    are); a deterministic call keeps the portable backward there too."""
+    from kernels._common.launch import forget_recorded_launches
+
+    launched = []
+    for name in ("_launch_fwd_hopper", "_launch_bwd_hopper"):
+        launch = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _launch=launch, _name=name, **kw: (launched.append(_name),
+                                                                                     _launch(*a, **kw))[1])
+    q, k, v = (t.requires_grad_(True) for t in _qkv(2, 4, 2, 200, 300, 128, torch.bfloat16))
+    do = torch.randn_like(q)
+    for deterministic in (False, True):
+
+        def block(a, b, c):
+            return flash_attention(a, b, c, causal=True, deterministic=deterministic)  # noqa: B023
+
+        with configs.forced_path("hopper"):
+            eager_o = block(q, k, v)
+            eager = torch.autograd.grad(eager_o, (q, k, v), do)
+            torch._dynamo.reset()
+            forget_recorded_launches()  # a recording would replay without the launchers
+            launched.clear()
+            o = torch.compile(block, fullgraph=True)(q, k, v)
+            compiled = torch.autograd.grad(o, (q, k, v), do)
+        assert launched == ["_launch_fwd_hopper"] + ([] if deterministic else ["_launch_bwd_hopper"])
+        torch.testing.assert_close(o, eager_o, rtol=0, atol=0)
+        for a, b in zip(eager, compiled, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-3)
+
+
 def test_the_backward_preprocess_zeroes_the_hopper_dq_accumulator():
     """The Hopper backward adds dQ into an fp32 accumulator ((B, Hq, Sq, padded D)) that the preprocess kernel
     zeroes beside ``delta``: every row, the padded columns too, at a length that is not a multiple of the block."""

@@ -34,8 +34,8 @@ Schedule (one program = 64 query rows per consumer warpgroup, two or three consu
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
 and base address are 16-byte aligned (TMA), padded head dims 64 and 128 (33-128; the TMA box pads with
-zeros and clips the store), no dropout, no packed batches, eager calls (under torch.compile the registered
-op runs the portable kernel). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
+zeros and clips the store), no dropout, no packed batches (under torch.compile it runs inside an opaque op,
+``fused_kernels::flash_attn_fwd_gluon``). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
 (``configs.prefers_hopper_forward``: the default path takes grids of two programs per SM or more, at D 64 from
 S 2048); the backward has its own kernel (``_hopper_bwd.py``).
 

@@ -1,7 +1,9 @@
 """Launchers, registered ops and autograd for FlashAttention-2.
 
 Eager calls run ``_FlashAttentionFunction``; under torch.compile ``flash_attention`` calls the
-registered ops ``fused_kernels::flash_attn_fwd`` / ``flash_attn_bwd``, which share the implementation.
+registered ops ``fused_kernels::flash_attn_fwd`` / ``flash_attn_bwd``, which share the implementation. Their
+portable kernels are traced into the compiled graph; a call that can take a Hopper (Gluon) kernel goes through
+the opaque ops ``flash_attn_fwd_gluon`` / ``flash_attn_bwd_gluon`` instead, which run the eager dispatch.
 CPU tensors without the Triton interpreter run the twin ``reference.attention``.
 
 Launch configurations (tiles, warps, stages, one or two backward launches) come from the table in
@@ -134,25 +136,28 @@ def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict,
     )
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
-    """Whether TMA can read ``t`` in place: contiguous last dim, 16-byte aligned base and other strides."""
+def _tma_ready(t: torch.Tensor, traced: bool = False) -> bool:
+    """Whether TMA can read ``t`` in place: contiguous last dim, 16-byte aligned base and other strides. ``traced``:
+    ``t`` is a fake tensor of torch.compile, whose address is not known; the strides alone decide."""
     size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in t.stride()[:-1])
+    return (t.stride(-1) == 1 and (traced or t.data_ptr() % 16 == 0)
+            and all(stride * size % 16 == 0 for stride in t.stride()[:-1]))
 
 
 def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                        varlen=None) -> bool:
+                        varlen=None, traced: bool = False) -> bool:
     """Whether a forward call on these tensors runs the Hopper kernel (``kernels/attention/_hopper.py``) rather
     than the portable one. The Hopper kernel takes sm_90, fp16/bf16, dense batches, no dropout, head dims with a
     Hopper tile and tensors TMA can read in place; of those calls the ``auto`` path takes the ones
-    ``configs.prefers_hopper_forward`` names, the ``hopper`` path all."""
+    ``configs.prefers_hopper_forward`` names, the ``hopper`` path all. ``traced``: fake tensors of torch.compile,
+    whose addresses are checked when the call runs (``_tma_ready``)."""
     path = configs.path()
     if path == "portable" or varlen is not None or dropout_p != 0.0 or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
         return False
     bd = configs.block_d(q.shape[-1])
     if bd not in configs.HOPPER_FORWARD or not configs.is_hopper(q.device):
         return False
-    if not (_tma_ready(q) and _tma_ready(k) and _tma_ready(v)):
+    if not (_tma_ready(q, traced) and _tma_ready(k, traced) and _tma_ready(v, traced)):
         return False
     if path == "hopper":
         return True
@@ -199,11 +204,12 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
 
 
 def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout_p: float = 0.0,
-                         varlen=None, deterministic: bool = False) -> bool:
+                         varlen=None, deterministic: bool = False, traced: bool = False) -> bool:
     """Whether a backward call on these tensors runs the Hopper kernel (``kernels/attention/_hopper_bwd.py``) rather
     than the portable one: sm_90, fp16/bf16, dense batches, head dims with a Hopper tile, tensors TMA can read in
     place, and ``deterministic`` False (the Hopper kernel sums dQ by TMA reductions in arrival order); of those calls
-    the ``hopper`` path takes all and ``auto`` the ones ``configs.prefers_hopper_backward`` names."""
+    the ``hopper`` path takes all and ``auto`` the ones ``configs.prefers_hopper_backward`` names. ``traced`` as in
+    :func:`uses_hopper_forward`."""
     path = configs.path()
     if path == "portable" or deterministic:
         return False
@@ -216,7 +222,7 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
         return False
     if not configs.is_hopper(q.device):
         return False
-    return all(_tma_ready(t) for t in (q, k, v, do))
+    return all(_tma_ready(t, traced) for t in (q, k, v, do))
 
 
 def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right: int, scale: float,
@@ -326,6 +332,8 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
     if backend_for(q) == "reference":
         o, lse = _twin_forward(q, k, v, left, right, scale, dropout_p, seed, varlen)
         return o, lse.float()
+    if traceable and uses_hopper_forward(q, k, v, dropout_p, varlen, traced=True):
+        return torch.ops.fused_kernels.flash_attn_fwd_gluon(q, k, v, left, right, scale)
     b, hq = _dims(q, k, varlen)[:2]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     stats_shape = (b, hq, q.shape[2]) if varlen is None else (hq, q.shape[0])
@@ -360,6 +368,9 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
         return _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen)
     if nothing_to_launch(q) or k.numel() == 0 or b == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic, traced=True):
+        return torch.ops.fused_kernels.flash_attn_bwd_gluon(do, q, k, v, o, lse, left, right, scale, dropout_p,
+                                                            *op_seed_args(seed))
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
@@ -444,10 +455,10 @@ class _FlashAttentionFunction(torch.autograd.Function):
 def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
                       scale: float, dropout_p: float, seed: int, seed_tensor: torch.Tensor | None,
                       cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
-                      max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      max_seqlen_k: int, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Registered forward: ``(o, lse)``; the band as in ``_band`` (causal is ``window_right = 0``); ``seed``
     is the 64-bit dropout seed as a signed int64, or ``seed_tensor`` (a 0-d int64 device tensor the kernel
-    reads) when given; packed batches pass their cumulative lengths."""
+    reads) when given; packed batches pass their cumulative lengths; ``deterministic`` is kept for the backward."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _fwd_impl(q, k, v, window_left, window_right, scale, dropout_p, seed_from_op_args(seed, seed_tensor),
                      varlen, traceable=True)
@@ -457,28 +468,59 @@ def flash_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_
 def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, window_left: int, window_right: int, scale: float, dropout_p: float,
                       seed: int, seed_tensor: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
-                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
-                      max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                      deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Registered backward: ``(dq, dk, dv)``."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _bwd_impl(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p,
-                     seed_from_op_args(seed, seed_tensor), varlen, traceable=True)
+                     seed_from_op_args(seed, seed_tensor), varlen, traceable=True, deterministic=deterministic)
+
+
+# A Gluon kernel cannot be traced into a compiled graph as ``wrap_triton`` traces the portable ones: calls that can
+# take one go through these opaque ops, whose eager dispatch picks the Hopper or the portable kernel when they run
+# (the address alignment TMA needs is only known then).
+@torch.library.custom_op(f"{LIBRARY_NAMESPACE}::flash_attn_fwd_gluon", mutates_args=())
+def flash_attn_fwd_gluon_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_fwd`` of a dense call without dropout, run eagerly: ``(o, lse)``."""
+    return _fwd_impl(q, k, v, window_left, window_right, scale)
+
+
+@flash_attn_fwd_gluon_op.register_fake
+def _(q, k, v, window_left, window_right, scale):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:3], dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{LIBRARY_NAMESPACE}::flash_attn_bwd_gluon", mutates_args=())
+def flash_attn_bwd_gluon_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                            lse: torch.Tensor, window_left: int, window_right: int, scale: float, dropout_p: float,
+                            seed: int, seed_tensor: torch.Tensor | None,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``flash_attn_bwd`` of a dense, non-deterministic call, run eagerly: ``(dq, dk, dv)``."""
+    return _bwd_impl(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p,
+                     seed_from_op_args(seed, seed_tensor))
+
+
+@flash_attn_bwd_gluon_op.register_fake
+def _(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, seed_tensor):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, left, right, scale, dropout_p, seed, seed_tensor, *varlen_args = inputs
+    q, k, v, left, right, scale, dropout_p, seed, seed_tensor, *varlen_args, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, seed_tensor)
     ctx.args = (left, right, scale, dropout_p, seed)
-    ctx.varlen_args = tuple(varlen_args)
+    ctx.varlen_args, ctx.deterministic = tuple(varlen_args), deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, seed_tensor = ctx.saved_tensors
     dq, dk, dv = torch.ops.fused_kernels.flash_attn_bwd(do.contiguous(), q, k, v, o, lse, *ctx.args, seed_tensor,
-                                                        *ctx.varlen_args)
-    return dq, dk, dv, *([None] * 10)
+                                                        *ctx.varlen_args, ctx.deterministic)
+    return dq, dk, dv, *([None] * 11)
 
 
 flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -489,7 +531,7 @@ def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max
     args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk, deterministic)
     if torch.compiler.is_compiling():
         return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, left, right, scale, dropout_p, *op_seed_args(seed),
-                                                      cu_q, cu_k, max_sq, max_sk)
+                                                      cu_q, cu_k, max_sq, max_sk, deterministic)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return apply(q, k, v, args)
     # Nothing to differentiate: skip autograd.Function.apply, whose host cost is a sizeable part of a
@@ -578,15 +620,16 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
 
     Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA's are.
 
-    On sm_90 GPUs an eager forward that :func:`uses_hopper_forward` names runs the Hopper kernel
-    (``kernels/attention/_hopper.py``), and an eager backward that :func:`uses_hopper_backward` names the Hopper
-    backward (``kernels/attention/_hopper_bwd.py``); the environment variable ``FUSED_KERNELS_ATTENTION_PATH``
-    (``auto``, ``hopper``, ``portable``) overrides the choice. Both paths compute the same attention to rounding.
+    On sm_90 GPUs a forward that :func:`uses_hopper_forward` names runs the Hopper kernel
+    (``kernels/attention/_hopper.py``), and a backward that :func:`uses_hopper_backward` names the Hopper
+    backward (``kernels/attention/_hopper_bwd.py``), eager or under torch.compile; the environment variable
+    ``FUSED_KERNELS_ATTENTION_PATH`` (``auto``, ``hopper``, ``portable``) overrides the choice. Both paths
+    compute the same attention to rounding.
 
     The Hopper backward adds dQ up with fp32 TMA reductions in arrival order, so its dQ can differ in the last bits
     from run to run;
     ``deterministic=True`` takes the portable backward, which is bitwise reproducible (as are dK and dV, and
-    every gradient on other GPUs and under torch.compile).
+    every gradient on other GPUs).
     """
     plans = plans_apply()
     key = None
