@@ -351,6 +351,40 @@ def test_replayed_launches_equal_launches_built_anew(monkeypatch, attention_path
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("attention_path", ["auto", "hopper"])
+def test_attention_calls_with_a_device_seed_replay_their_launches(monkeypatch, attention_path):
+    """A seed on the device (how compiled graphs and CUDA graphs pass ``seed=None``) is one of a replay's tensors:
+    the launches recorded with one seed tensor replay with another, bit for bit as launches built anew, forward
+    and backward (on the ``hopper`` path the backward is the Gluon kernel's), and the replay really happens."""
+    import kernels._common.launch as launch
+    import kernels.attention.ops as attention_ops
+    from kernels.attention import configs
+
+    if attention_path == "hopper" and not configs.is_hopper(torch.device("cuda")):
+        pytest.skip("the hopper path needs an sm_90 GPU")
+    monkeypatch.setenv(configs.PATH_ENV, attention_path)
+    q, k, v, do = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+
+    def run(seed):
+        o, lse = attention_ops._fwd_impl(q, k, v, -1, 0, 0.125, 0.1, seed)
+        return (o, lse, *attention_ops._bwd_impl(do, q, k, v, o, lse, -1, 0, 0.125, 0.1, seed))
+
+    seeds = [torch.tensor(value, dtype=torch.int64, device="cuda") for value in (11, -12)]
+    monkeypatch.setattr(launch, "PREPARED_LAUNCH", False)
+    expected = [run(seed) for seed in seeds]
+    assert not torch.equal(expected[0][0], expected[1][0]), "the two seeds must draw different masks"
+    monkeypatch.setattr(launch, "PREPARED_LAUNCH", True)
+    launch.forget_recorded_launches()
+    for round_ in range(2):  # the first call records, the others replay
+        for seed, want in zip(seeds, expected, strict=True):
+            for got, e in zip(run(seed), want, strict=True):
+                assert torch.equal(got, e), f"round {round_}, seed {seed.item()}"
+    recorded = [entry for cache in (attention_ops._FORWARD_CALLS, attention_ops._BACKWARD_CALLS)
+                for entry in cache._entries.values()]
+    assert len(recorded) == 2 and all(isinstance(entry, launch.RecordedCall) for entry in recorded)
+
+
+@pytest.mark.cuda
 def test_a_replay_refuses_a_misaligned_tensor_and_builds_the_launch_anew():
     """The recorded kernel may assume 16-byte aligned pointers: a call with the same shapes and strides but a
     misaligned input must not replay it."""

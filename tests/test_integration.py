@@ -111,6 +111,11 @@ def _opcheck_cases():
         ("flash_attn_fwd", (q, k, v, -1, 0, 0.2, 0.1, 0, seed_tensor, None, None, 0, 0)),
         ("flash_attn_bwd", (rand(1, 2, 40, 32), q.detach(), k.detach(), v.detach(), o.detach(), lse, -1, 0, 0.2,
                             0.1, 9, None, None, None, 0, 0)),
+        # the opaque ops of compiled calls that can take the Hopper kernels: nothing differentiates them (they run
+        # inside compiled forward and backward graphs), so their inputs do not require grad
+        ("flash_attn_fwd_gluon", (q.detach(), k.detach(), v.detach(), -1, 0, 0.2)),
+        ("flash_attn_bwd_gluon", (rand(1, 2, 40, 32), q.detach(), k.detach(), v.detach(), o.detach(), lse, -1, 0,
+                                  0.2, 0.1, 0, seed_tensor)),
     ]
 
 

@@ -311,16 +311,24 @@ _BACKWARD_CALLS = PreparedCache()
 
 def _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, *extra):
     """What an eager dense call's launches depend on besides the tensors' addresses and the seed (shapes, strides,
-    dtype, device, band, scale, dropout, the kernel path), or None for calls that are not replayed (traced or
-    packed calls, a device seed, prepared launches off)."""
-    if traceable or varlen is not None or type(seed) is not int or not prepared_launches_enabled():
+    dtype, device, band, scale, dropout, whether the seed is an int or on the device, the kernel path), or None
+    for calls that are not replayed (traced or packed calls, prepared launches off). A device seed (how compiled
+    graphs and CUDA graphs pass it) is one of the replay's tensors (:func:`_seed_tensor`)."""
+    if traceable or varlen is not None or not prepared_launches_enabled():
         return None
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index, left, right, scale,
-            dropout_p, configs.path(), *extra)
+            dropout_p, type(seed) is int, configs.path(), *extra)
 
 
-def _seed_words(dropout_p: float, seed: int) -> tuple[int, int]:
-    return key_words(seed) if dropout_p > 0 else (0, 0)
+def _seed_words(dropout_p: float, seed: Seed) -> tuple[int, int]:
+    """The per-call ints of a replay: an int seed's key words (a device seed's kernels read it from memory)."""
+    return key_words(seed) if dropout_p > 0 and type(seed) is int else (0, 0)
+
+
+def _seed_tensor(seed: Seed) -> torch.Tensor | None:
+    """A replay's tensor for the seed: the device seed, or None for an int seed (its launches take a fixed
+    placeholder)."""
+    return seed if isinstance(seed, torch.Tensor) else None
 
 
 def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0, varlen=None, *,
@@ -343,7 +351,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
         lse.fill_(float("-inf"))
         return o, lse
     signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable)
-    launch_or_replay(_FORWARD_CALLS, signature, (q, k, v, o, lse),
+    launch_or_replay(_FORWARD_CALLS, signature, (q, k, v, o, lse, _seed_tensor(seed)),
                      lambda: _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
     return o, lse
@@ -379,7 +387,7 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
         # replayed like the portable launches: the TMA arguments are made again over the call's own tensors
         signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
                                      o.stride(), "hopper")
-        launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq_acc, dk, dv),
+        launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq_acc, dk, dv, _seed_tensor(seed)),
                          lambda: _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_acc, dk, dv, left, right, scale,
                                                       dropout_p, seed),
                          _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
@@ -388,7 +396,7 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
                                  o.stride(), deterministic)
-    launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq, dk, dv),
+    launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq, dk, dv, _seed_tensor(seed)),
                      lambda: _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed,
                                            varlen, traceable),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
@@ -478,21 +486,31 @@ def flash_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 # A Gluon kernel cannot be traced into a compiled graph as ``wrap_triton`` traces the portable ones: calls that can
 # take one go through these opaque ops, whose eager dispatch picks the Hopper or the portable kernel when they run
-# (the address alignment TMA needs is only known then).
-@torch.library.custom_op(f"{LIBRARY_NAMESPACE}::flash_attn_fwd_gluon", mutates_args=())
+# (the address alignment TMA needs is only known then). They are defined with ``torch.library.Library`` rather than
+# ``custom_op``: a compiled graph calls them once per attention call, and custom_op's Python autograd and backend
+# wrappers cost ~100 us of host time per call (H100 host, a call of the backward op at a tiny size: 211 against
+# 113 us for the same work called directly). Nothing differentiates them (they run inside compiled forward and
+# backward graphs), so they register no autograd formula.
+_GLUON_OPS = torch.library.Library(LIBRARY_NAMESPACE, "FRAGMENT")
+_GLUON_OPS.define("flash_attn_fwd_gluon(Tensor q, Tensor k, Tensor v, SymInt window_left, SymInt window_right, "
+                  "float scale) -> (Tensor, Tensor)")
+_GLUON_OPS.define("flash_attn_bwd_gluon(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+                  "SymInt window_left, SymInt window_right, float scale, float dropout_p, SymInt seed, "
+                  "Tensor? seed_tensor) -> (Tensor, Tensor, Tensor)")
+
+
 def flash_attn_fwd_gluon_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_fwd`` of a dense call without dropout, run eagerly: ``(o, lse)``."""
     return _fwd_impl(q, k, v, window_left, window_right, scale)
 
 
-@flash_attn_fwd_gluon_op.register_fake
+@torch.library.register_fake(f"{LIBRARY_NAMESPACE}::flash_attn_fwd_gluon", lib=_GLUON_OPS)
 def _(q, k, v, window_left, window_right, scale):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(q.shape[:3], dtype=torch.float32))
 
 
-@torch.library.custom_op(f"{LIBRARY_NAMESPACE}::flash_attn_bwd_gluon", mutates_args=())
 def flash_attn_bwd_gluon_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                             lse: torch.Tensor, window_left: int, window_right: int, scale: float, dropout_p: float,
                             seed: int, seed_tensor: torch.Tensor | None,
@@ -502,9 +520,14 @@ def flash_attn_bwd_gluon_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      seed_from_op_args(seed, seed_tensor))
 
 
-@flash_attn_bwd_gluon_op.register_fake
+@torch.library.register_fake(f"{LIBRARY_NAMESPACE}::flash_attn_bwd_gluon", lib=_GLUON_OPS)
 def _(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, seed_tensor):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+# every device: the eager dispatch inside picks the kernel (or the twin on a CPU without the interpreter)
+_GLUON_OPS.impl("flash_attn_fwd_gluon", flash_attn_fwd_gluon_op, "CompositeExplicitAutograd")
+_GLUON_OPS.impl("flash_attn_bwd_gluon", flash_attn_bwd_gluon_op, "CompositeExplicitAutograd")
 
 
 def _setup_context(ctx, inputs, output):
