@@ -160,17 +160,25 @@ class GPT(nn.Module):
         that reads ``x`` next are one ``add_dropout_norm`` call, with the same modules' parameters, ``p`` and
         training flag. Returns the final norm's output."""
         norms = [block.norm1 for block in self.blocks] + [self.final_norm]
-        normed, x = _residual_step(embedded, None, norms[0], self.embedding_dropout)
+        # Every norm output feeds a matmul (the next projection, or the tied head), which autocast runs in its low
+        # precision: the norm writes that dtype itself, the values torch's fp32 norm output takes when the matmul
+        # casts it, without the fp32 tensor and the cast kernel (and its gradient comes back in that dtype).
+        device_type = embedded.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        normed, x = _residual_step(embedded, None, norms[0], self.embedding_dropout, out_dtype)
         for i, block in enumerate(self.blocks):
-            normed, x = _residual_step(block.attention.branch(normed), x, block.norm2, block.attention.residual_dropout)
-            normed, x = _residual_step(block.mlp_branch(normed), x, norms[i + 1], block.mlp[-1])
+            normed, x = _residual_step(block.attention.branch(normed), x, block.norm2, block.attention.residual_dropout,
+                                       out_dtype)
+            normed, x = _residual_step(block.mlp_branch(normed), x, norms[i + 1], block.mlp[-1], out_dtype)
         return normed
 
 
-def _residual_step(branch: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, dropout: nn.Dropout):
-    """``(norm(x), x)`` for ``x = dropout(branch) + residual``, one fused kernel each way."""
+def _residual_step(branch: torch.Tensor, residual: torch.Tensor | None, norm: nn.LayerNorm, dropout: nn.Dropout,
+                   out_dtype: torch.dtype | None):
+    """``(norm(x), x)`` for ``x = dropout(branch) + residual``, one fused kernel each way, the norm's output in
+    ``out_dtype``."""
     return add_dropout_norm(branch, residual, norm.weight, norm.bias, eps=norm.eps, dropout_p=dropout.p,
-                            training=dropout.training)
+                            training=dropout.training, out_dtype=out_dtype)
 
 
 def load_corpus(device) -> torch.Tensor:

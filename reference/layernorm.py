@@ -154,7 +154,7 @@ def _residual_dtype(x: torch.Tensor, residual: torch.Tensor | None, residual_dty
 
 
 def add_dropout_norm(x, residual=None, weight=None, bias=None, *, kind="layer", eps=1e-5, dropout_p=0.0,
-                     seed=None, training=True, residual_dtype=None):
+                     seed=None, training=True, residual_dtype=None, out_dtype=None):
     """``(y, residual_out)`` of the pre-norm block over the last dim of ``x``, as three torch ops would give:
 
     - ``dropped = dropout(x, dropout_p, seed=seed)`` in ``x``'s dtype (identity when not ``training`` or
@@ -163,7 +163,7 @@ def add_dropout_norm(x, residual=None, weight=None, bias=None, *, kind="layer", 
       ``residual_dtype``: default ``residual``'s dtype, or ``x``'s without a residual (``torch.float32``
       keeps the residual stream in fp32, as pre-norm trainers do);
     - ``y = norm(residual_out) * weight (+ bias)``, ``kind`` ``"layer"`` or ``"rms"`` (no bias), statistics in
-      float32 from the rounded ``residual_out``, ``y`` in ``x``'s dtype.
+      float32 from the rounded ``residual_out``, ``y`` in ``x``'s dtype, or ``out_dtype`` when given.
     """
     if kind not in ("layer", "rms"):
         raise ValueError(f"kind must be 'layer' or 'rms', got {kind!r}")
@@ -173,15 +173,14 @@ def add_dropout_norm(x, residual=None, weight=None, bias=None, *, kind="layer", 
     if apply_dropout and seed is None:
         raise ValueError("the twin needs an explicit seed to draw the dropout mask")
     dropped = dropout_twin.dropout(x, dropout_p, seed=seed) if apply_dropout else x
-    out_dtype = _residual_dtype(x, residual, residual_dtype)
     summed = dropped.float() if residual is None else dropped.float() + residual.float()
-    residual_out = summed.to(out_dtype)
+    residual_out = summed.to(_residual_dtype(x, residual, residual_dtype))
     rows = residual_out.reshape(-1, x.shape[-1])
     if kind == "layer":
         y = layer_norm_forward(rows.float(), weight, bias, eps)[0]
     else:
         y = rms_norm_forward(rows.float(), weight, eps)[0]
-    return y.to(x.dtype).reshape(x.shape), residual_out
+    return y.to(out_dtype or x.dtype).reshape(x.shape), residual_out
 
 
 def add_dropout_norm_backward(dy, dresidual_out, residual_out, weight, *, kind="layer", eps=1e-5, dropout_p=0.0,

@@ -521,6 +521,38 @@ def test_fused_add_dropout_norm_gradient_of_y_alone_and_inference():
     torch.testing.assert_close(y3, F.layer_norm(x + res, (64,), w, b), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_fused_add_dropout_norm_out_dtype_rounds_the_same_output_once(kind, out_dtype):
+    """``out_dtype`` writes y in that dtype: the fp32 output the call gives without it, rounded once (what a
+    matmul under autocast makes of it), autocast or not; residual_out does not change; the backward takes y's
+    gradient in ``out_dtype`` and gives the twin's gradients."""
+    x, res, w, b = _fused_inputs(33, 256, kind, torch.float32, "same")
+    inputs, (y, r), (y_twin, r_twin) = _fused_and_twin(x, res, w, b, kind, 0.2, True, out_dtype=out_dtype)
+    assert y.dtype == y_twin.dtype == out_dtype and r.dtype == torch.float32
+    assert torch.equal(r, r_twin)
+    y32, _ = ops.add_dropout_norm(x, res, w, b, kind=kind, dropout_p=0.2, seed=77)
+    if INTERPRETER and out_dtype == torch.bfloat16:
+        # the interpreter rounds fp32 to bf16 toward zero (a GPU to nearest even, as torch): one unit apart at most
+        torch.testing.assert_close(y, y32.to(out_dtype), rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(y, y32.to(out_dtype))
+    torch.testing.assert_close(y.float(), y_twin.float(), rtol=2**-7, atol=ATOL[out_dtype])
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        y_autocast, _ = ops.add_dropout_norm(x, res, w, b, kind=kind, dropout_p=0.2, seed=77, out_dtype=out_dtype)
+    assert torch.equal(y_autocast, y)
+    g = torch.Generator().manual_seed(5)
+    dy = torch.randn(y.shape, generator=g).to(DEVICE, out_dtype)
+    dr_out = torch.randn(r.shape, generator=g).to(DEVICE)
+    grads = torch.autograd.grad((y, r), [t for t in inputs if t is not None], (dy, dr_out))
+    expected = twin.add_dropout_norm_backward(dy, dr_out, r.detach(), w, kind=kind, dropout_p=0.2, seed=77,
+                                              x_dtype=torch.float32)
+    expected = [t for t in expected if t is not None]
+    assert len(grads) == len(expected)
+    for name, got, want in zip(("dx", "dres", "dw", "db"), grads, expected, strict=False):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"x": "not a tensor"}, TypeError, "x must be a torch.Tensor"),
     ({"x": torch.ones(2, 3, dtype=torch.int32)}, TypeError, "x must"),
@@ -532,6 +564,7 @@ def test_fused_add_dropout_norm_gradient_of_y_alone_and_inference():
     ({"dropout_p": -0.1}, ValueError, "dropout_p"),
     ({"eps": float("nan")}, ValueError, "eps"),
     ({"residual_dtype": torch.int8}, TypeError, "residual_dtype"),
+    ({"out_dtype": torch.float64}, TypeError, "out_dtype"),
 ])
 def test_fused_add_dropout_norm_bad_inputs(kwargs, error, match):
     args = {"x": torch.ones(2, 8, device=DEVICE)}

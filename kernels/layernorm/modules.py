@@ -63,13 +63,14 @@ class AddDropoutNorm(torch.nn.Module):
     ``normalized_shape`` is the last dim (an int, or a one-element sequence); ``kind`` ``"layer"``
     (LayerNorm: weight and, with ``bias=True``, bias) or ``"rms"`` (RMSNorm: weight only); ``eps`` defaults to
     1e-5 for LayerNorm and to torch's rule (``None``) for RMSNorm; ``residual_dtype=torch.float32`` keeps the
-    residual stream in fp32. Dropout follows ``self.training``; each call draws its seed from torch's
-    generator, so ``torch.manual_seed`` governs the masks.
+    residual stream in fp32, ``out_dtype`` sets ``y``'s dtype (see the function). Dropout follows
+    ``self.training``; each call draws its seed from torch's generator, so ``torch.manual_seed`` governs the masks.
     """
 
     def __init__(self, normalized_shape, kind: str = "layer", p: float = 0.0, eps: float | None = None,
                  residual_dtype: torch.dtype | None = None, elementwise_affine: bool = True, bias: bool = True,
-                 device=None, dtype=None, *, deterministic: bool = False) -> None:
+                 device=None, dtype=None, *, out_dtype: torch.dtype | None = None,
+                 deterministic: bool = False) -> None:
         super().__init__()
         if kind not in ("layer", "rms"):
             raise ValueError(f"kind must be 'layer' or 'rms', got {kind!r}")
@@ -80,7 +81,7 @@ class AddDropoutNorm(torch.nn.Module):
             raise ValueError(f"p must be in [0, 1), got {p}")
         self.normalized_shape, self.kind, self.p = shape, kind, p
         self.eps = (1e-5 if kind == "layer" else None) if eps is None else eps
-        self.residual_dtype, self.deterministic = residual_dtype, deterministic
+        self.residual_dtype, self.out_dtype, self.deterministic = residual_dtype, out_dtype, deterministic
         factory = {"device": device, "dtype": dtype}
         self.weight = torch.nn.Parameter(torch.ones(shape, **factory)) if elementwise_affine else None
         has_bias = elementwise_affine and bias and kind == "layer"
@@ -89,8 +90,9 @@ class AddDropoutNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return add_dropout_norm(x, residual, self.weight, self.bias, kind=self.kind, eps=self.eps, dropout_p=self.p,
                                 training=self.training, residual_dtype=self.residual_dtype,
-                                deterministic=self.deterministic)
+                                out_dtype=self.out_dtype, deterministic=self.deterministic)
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, kind={self.kind!r}, p={self.p}, eps={self.eps}, "
-                f"residual_dtype={self.residual_dtype}")
+                f"residual_dtype={self.residual_dtype}"
+                + ("" if self.out_dtype is None else f", out_dtype={self.out_dtype}"))

@@ -604,7 +604,7 @@ add_dropout_norm_fwd_op.register_autograd(_add_dropout_norm_backward, setup_cont
 def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None, *, kind: str = "layer", eps: float | None = 1e-5,
                      dropout_p: float = 0.0, seed: int | None = None, training: bool = True,
-                     residual_dtype: torch.dtype | None = None,
+                     residual_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
                      deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm block's residual step in one kernel forward and one backward: ``(y, residual_out)`` with
 
@@ -614,7 +614,10 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
     - ``y = norm(residual_out) * weight + bias`` over the last dim, ``kind="layer"`` (LayerNorm) or ``"rms"``
       (RMSNorm, no bias; ``eps=None`` then follows torch's rule, see :func:`rms_norm`), statistics in fp32
       from the rounded ``residual_out``, ``y`` in ``x``'s dtype; under CUDA autocast in fp32, as torch's
-      norms give it (the dropout and the add keep their dtypes, as torch's do).
+      norms give it (the dropout and the add keep their dtypes, as torch's do). ``out_dtype`` gives ``y``'s
+      dtype instead, autocast or not: where ``y`` feeds a matmul that autocast runs in bf16 (a pre-norm block's
+      next projection), ``out_dtype=torch.bfloat16`` gives that matmul the same input (fp32 rounded once to
+      bf16) without writing fp32 and casting it in a kernel of its own, and its gradient comes back in bf16.
 
     The mask is the dropout family's: with the same ``seed`` it drops exactly the elements
     ``kernels.dropout.dropout(x, dropout_p, seed=seed)`` drops (``seed=None`` draws one from torch's
@@ -626,8 +629,8 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
     key = None
     if plans and plannable(seed, training, deterministic):
         key = (tensor_key(x), tensor_key(residual), tensor_key(weight), tensor_key(bias), kind, eps, type(eps),
-               dropout_p, type(dropout_p), training, residual_dtype, deterministic, torch.is_grad_enabled(),
-               autocast_key("cuda"))
+               dropout_p, type(dropout_p), training, residual_dtype, out_dtype, deterministic,
+               torch.is_grad_enabled(), autocast_key("cuda"))
         plan = _ADD_DROPOUT_NORM_PLANS.get(key)
         if plan is not None:
             return _add_dropout_norm_run(plan, x, residual, weight, bias, seed, _apply_add_dropout_norm)
@@ -650,8 +653,9 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
             check_float_dtype(name, t)
             if tuple(t.shape) != (n,):
                 raise ValueError(f"{name} must have shape [{n}] (x's last dim), got {list(t.shape)}")
-    if residual_dtype is not None and residual_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"residual_dtype must be one of {FLOAT_DTYPES} or None, got {residual_dtype!r}")
+    for name, dtype in (("residual_dtype", residual_dtype), ("out_dtype", out_dtype)):
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be one of {FLOAT_DTYPES} or None, got {dtype!r}")
     check_same_device(x=x, residual=residual, weight=weight, bias=bias)
     eps = twin.rms_norm_eps(eps, x.dtype) if is_rms else eps
     eps = check_finite_number("eps", eps, minimum=0.0)
@@ -662,7 +666,7 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
         dropout_p = 0.0
     residual_dtype = residual_dtype or (x.dtype if residual is None else residual.dtype)
     # autocast: y comes out as torch's norm gives it (fp32 on CUDA); the dropout and the add keep their dtypes
-    y_dtype = autocast_dtype("rms_norm" if is_rms else "layer_norm", x.device.type) or x.dtype
+    y_dtype = out_dtype or autocast_dtype("rms_norm" if is_rms else "layer_norm", x.device.type) or x.dtype
     if torch.compiler.is_compiling():
         seed = seeds.seed_for_call(seed, x.device) if dropout_p > 0 else 0
         y, residual_out, _, _ = torch.ops.fused_kernels.add_dropout_norm_fwd(
