@@ -1,11 +1,13 @@
 """Where a training step of the GPT example goes, per backend: torch.profiler over a few eager steps.
 
-    python3 -m scripts.profile_gpt [--steps 5] [--dropout 0.1] [--batch 16] [--seq 256]
+    python3 -m scripts.profile_gpt [--steps 5] [--dropout 0.1] [--batch 16] [--seq 256] [--compile]
     python3 -m scripts.profile_gpt --ops [--calls 300] [--rounds 3] [--only dropout,...] [--profile OP]
 
 Prints, for each backend, the wall time per step, the GPU kernel time per step (sum of kernel durations;
 when it is well under the wall time the step is bound by the host) and the kernels that take the most GPU
-time, grouped by name.
+time, grouped by name, and the GPU time by kind of kernel (attention, matmul, the rest of the forward and
+backward, the optimiser), the table to read side by side when asking which part of a step makes the difference.
+``--compile`` profiles ``torch.compile(model, fullgraph=True)`` instead of the eager model.
 
 ``--ops``: host time per call of each public op instead, ours against torch's, at a tiny size (the kernels
 take a few µs, so the clock measures the Python, dispatch and launch path). For each op: the forward with
@@ -27,6 +29,7 @@ import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton
 import argparse
 import cProfile
 import pstats
+import re
 import statistics
 from collections.abc import Callable
 
@@ -45,11 +48,12 @@ def profile(backend: str, args) -> None:
     model = GPT(config_from_arguments(args, backend)).cuda().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = batches(load_corpus("cuda"), args.batch, args.seq, args.warmup + 2 * args.steps)
+    step_fn = torch.compile(model, fullgraph=True) if args.compile else model
 
     def step():
         tokens, targets = next(data)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(tokens, targets)
+            _, loss = step_fn(tokens, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -61,10 +65,17 @@ def profile(backend: str, args) -> None:
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not getattr(e, "is_user_annotation", False)),
                      key=lambda e: e.self_device_time_total, reverse=True)
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
-    print(f"== {backend}: wall {wall_ms:.2f} ms/step (unprofiled), GPU kernels {gpu_ms:.2f} ms/step")
+    print(f"== {backend}{' compiled' if args.compile else ''}: wall {wall_ms:.2f} ms/step (unprofiled), "
+          f"GPU kernels {gpu_ms:.2f} ms/step")
+    kinds = {}
+    for e in kernels:
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3 / args.steps
+    print("   by kind: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(kinds.items())) + " ms/step")
     print(f"{'kernel':<90} {'ms/step':>8} {'calls/step':>10}")
     for e in kernels[: args.top]:
         print(f"{e.key[:90]:<90} {e.self_device_time_total / 1e3 / args.steps:8.3f} {e.count / args.steps:10.1f}")
@@ -73,6 +84,20 @@ def profile(backend: str, args) -> None:
     print(f"{'host (self CPU time)':<90} {'ms/step':>8} {'calls/step':>10}")
     for e in cpu[: args.top]:
         print(f"{e.key[:90]:<90} {e.self_cpu_time_total / 1e3 / args.steps:8.3f} {e.count / args.steps:10.1f}")
+
+
+#: (kind, pattern) in the order tried: the first pattern found in a kernel's name names its kind
+_KERNEL_KINDS = (
+    ("attention", re.compile(r"attn|flash|fmha|sdpa|cudnn", re.IGNORECASE)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|sm90_|wgmma|splitk", re.IGNORECASE)),
+    ("optimizer", re.compile(r"multi_tensor|foreach|adam", re.IGNORECASE)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """``attention``, ``matmul``, ``optimizer``, or ``rest`` (norms, dropout, residual adds, activations, loss,
+    copies) for a GPU kernel's name, ours and torch's and inductor's alike."""
+    return next((kind for kind, pattern in _KERNEL_KINDS if pattern.search(name)), "rest")
 
 
 def _cases() -> dict[str, tuple[Callable, Callable]]:
@@ -168,6 +193,7 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--backends", default="torch,fused")
+    parser.add_argument("--compile", action="store_true", help="profile the torch.compile'd model")
     parser.add_argument("--ops", action="store_true", help="host cost per op instead of the step profile")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
