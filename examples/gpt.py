@@ -7,7 +7,8 @@ MLP, a tied output head). ``backend`` picks the ops:
 - ``"fused"``: the same model after ``kernels.replace_modules`` (our LayerNorm and Dropout, weights kept),
   with attention through ``kernels.attention.flash_attention`` (attention dropout included), and each
   residual step (dropout of a branch's output, the add, the next norm) through
-  ``kernels.layernorm.add_dropout_norm``, one kernel forward and one backward.
+  ``kernels.layernorm.add_dropout_norm``, one kernel forward and one backward, whose output comes in the
+  autocast dtype that the next matmul takes (torch's norm gives fp32 and the matmul casts it: same values).
 
 Both backends build the same parameters in the same order, so one ``torch.manual_seed`` gives one init.
 

@@ -1,4 +1,4 @@
-"""Where a training step of the GPT example goes, per backend: torch.profiler over a few eager steps.
+"""Where a training step of the GPT example goes, per backend: torch.profiler over a few eager or compiled steps.
 
     python3 -m scripts.profile_gpt [--steps 5] [--dropout 0.1] [--batch 16] [--seq 256] [--compile]
     python3 -m scripts.profile_gpt --ops [--calls 300] [--rounds 3] [--only dropout,...] [--profile OP]
