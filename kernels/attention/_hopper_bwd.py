@@ -31,14 +31,20 @@ Schedule (one program = 128 keys of one (batch, key/value head)):
   queue. The preprocess kernel zeroed the accumulator beside ``delta``; one cast makes it dQ.
 - dropout (``DROPOUT``): the forward's keep mask ``Z``, drawn again, once per tile (the portable backward draws
   it in its dK/dV and again in its dQ programs): ``dV += (P^T o Z / (1 - p)) dO``, ``dS^T = P^T (Z dP^T / (1 - p) -
-  delta)``. Each Philox call decides 16 elements that one thread holds in the query-major accumulator layout, but in
-  the transposed frame they sit in four threads of two warps, so a consumer draws its next tile in the query-major
-  frame at the top of each step (two calls per thread, compared four bytes at a time by one ``lop3`` sequence),
-  packs each consumer-frame thread's 32 decisions into one 32-byte row of a double-buffered shared buffer (one byte
-  permute per four), and after one barrier of its warpgroup reads its own row back (two 16-byte loads). The mask is
-  then folded into P^T's sign (negated where dropped, scaled where kept), so no mask register stays live across the
-  dP^T wait. Drawing in the transposed frame instead would cost four times the Philox work.
-- register budget: the producer gives its registers back (24 per thread), each consumer takes 240.
+  delta)``. The producer is then a warpgroup and draws both consumers' masks of a query block into the ring slot
+  beside Q and dO (a "mask ready" barrier per slot), so the Philox rounds run beside the consumers' matmuls, not
+  between them (1.19-1.25x at D 128, 1.12x at D 64, H100). Each Philox call decides 16 elements that one thread
+  holds in the query-major accumulator layout, but in the transposed frame they sit in four threads of two warps,
+  so the tile is drawn query-major (two calls per thread and consumer, compared four bytes at a time by one
+  ``lop3`` sequence) and each consumer-frame thread's 32 decisions are packed into one 32-byte row (one byte
+  permute per four), which that thread reads back (two 16-byte loads). It turns each decision into a sign bit,
+  and one XOR per element negates the dropped elements of P^T / (1 - p) (the scale comes in with lse), so the mask
+  travels in P^T's sign past the dP^T wait and holds no registers there (as booleans selecting between two values
+  it made the D 128 consumer spill 488 bytes instead of 168). Drawing in the transposed frame instead would cost
+  four times the Philox work.
+- register budget: three warpgroups share 504 registers per thread. Without dropout the producer (one warp) gives
+  its registers back (24 per thread) and each consumer takes 240; with dropout the drawing producer keeps 40 at
+  D 128 and 56 at D 64, the consumers 232 and 224.
 
 Gluon 3.6's ``tma`` module has loads and stores but no reduction; ``_tma_reduce_add`` below builds it from the
 operation Triton 3.6 defines (``ttng.async_tma_reduce``, through the Gluon builder).
@@ -50,12 +56,12 @@ an opaque op, ``fused_kernels::flash_attn_bwd_gluon``).
 
 Speed: on an H100 (bf16, public calls) without dropout 1.12-1.22x the portable backward at D 128 from S 1024 on and
 1.09-1.16x at D 64 from S 2048 on; on the benchmark table 0.93-0.99x cuDNN at D 128 and 0.96-1.11x at D 64. With
-dropout 0.1 1.08-1.51x the portable backward (D 128 from S 512, D 64 from S 1024) and 0.78-0.97x cuDNN at S 4096.
-The default path takes it from those lengths on (``configs.prefers_hopper_backward``). Each consumer
-waits on every wgmma it issues, so nothing overlaps the softmax inside a warpgroup; issuing dP^T before P^T is
-computed (0.95-1.02x) and computing dQ one query block late so that the consumers need not wait on each other
-(0.95-1.00x) were measured and not kept. Dropout costs 1.30-1.39x in time at S 4096 (about 370 more instructions per
-step and warp at D 64), and at D 128 the consumer spills (72 bytes without dropout, 356 with).
+dropout 0.1 1.08-1.51x the portable backward (D 128 from S 512, D 64 from S 1024; taken before the producer drew the
+masks) and 1.00-1.13x cuDNN at S 4096. The default path takes it from those lengths on
+(``configs.prefers_hopper_backward``). Each consumer waits on every wgmma it issues, so nothing overlaps the softmax
+inside a warpgroup; issuing dP^T before P^T is computed (0.95-1.02x) and computing dQ one query block late so that
+the consumers need not wait on each other (0.95-1.00x) were measured and not kept. At D 128 the consumer spills 72
+bytes without dropout and 168 with.
 
 Trade-offs: dQ is a sum of fp32 reductions in arrival order, so it is not bitwise reproducible run to run
 (``deterministic=True`` takes the portable backward); the accumulator costs ``B * Hq * Sq * D * 4`` bytes, written
@@ -136,7 +142,7 @@ def _byte_permute(low, high, SELECTOR: gl.constexpr):
 def _draw_keep(mask_buffer, m0, k0, bh, key0, key1, threshold_bytes):
     """Stores the dropout keep mask of queries ``m0 .. m0 + 63`` x keys ``k0 .. k0 + 63`` (both multiples of 64) into
     ``mask_buffer`` (128 rows of eight words): the portable kernel's mask (``_dropout_keep``, stated in
-    ``reference.attention.attention_keep_mask``), laid out for :func:`_load_keep`.
+    ``reference.attention.attention_keep_mask``), laid out for :func:`_load_drop_signs`.
 
     Each Philox call decides 16 elements that one thread holds in the query-major accumulator layout, so the tile
     is drawn there, two calls per thread, on ``[g, 8a + r, t]``: word ``w`` of a call decides keys
@@ -169,24 +175,27 @@ def _draw_keep(mask_buffer, m0, k0, bh, key0, key1, threshold_bytes):
 
 
 @gluon.jit
-def _load_keep(mask_buffer, t_layout: gl.constexpr):
-    """The keep mask :func:`_draw_keep` stored, as a (keys, queries) tile in the consumers' accumulator layout: each
-    thread reads its own row (32 bytes) and tests bit 7 of each byte; the reshapes move no data."""
+def _load_drop_signs(mask_buffer, t_layout: gl.constexpr):
+    """The keep mask :func:`_draw_keep` stored, as a (keys, queries) tile in the consumers' accumulator layout, each
+    element a sign bit: 0x80000000 where the element is dropped, 0 where it is kept, so that one XOR with P's bits
+    (a ``lop3``) negates the dropped elements. Each thread reads its own row (32 bytes) and moves bit 7 of each byte
+    to bit 31; the reshapes move no data. (As booleans, selecting between two values, the mask cost the D 128
+    consumer 300 bytes more of spills.)"""
     rows: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
                                           order=[1, 0])
-    words = mask_buffer.load(rows)  # [thread, 4e + a]
-    u0 = gl.join((words & 0x80) != 0, (words & 0x8000) != 0)  # [.., l]
-    u1 = gl.join((words & 0x800000) != 0, (words & 0x80000000) != 0)
-    keep = gl.reshape(gl.join(u0, u1), [4, 8, 4, 2, 4, 2, 2])  # [warp, r', t', e, a, l, u]
-    # keys 16 warp + 8l + r', queries 16a + 8u + 2t' + e
-    keep = gl.reshape(gl.permute(keep, (0, 5, 1, 4, 6, 2, 3)), [HALF_N, BLOCK_M])
-    return gl.convert_layout(keep, t_layout)
+    dropped = ~mask_buffer.load(rows)  # [thread, 4e + a]
+    u0 = gl.join((dropped << 24) & 0x80000000, (dropped << 16) & 0x80000000)  # [.., l]
+    u1 = gl.join((dropped << 8) & 0x80000000, dropped & 0x80000000)
+    signs = gl.reshape(gl.join(u0, u1), [4, 8, 4, 2, 4, 2, 2])  # [warp, r', t', e, a, l, u]
+    signs = gl.reshape(gl.permute(signs, (0, 5, 1, 4, 6, 2, 3)), [HALF_N, BLOCK_M])
+    return gl.convert_layout(signs, t_layout)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_ready,
-              do_ready, stats_ready, empty, lse_ptr, delta_ptr, stride_lb, stride_lh, b, hk, GROUP, Sq, n0, start_m,
-              end_m, STAGES: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, mask_smem,
+              kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, lse_ptr, delta_ptr, stride_lb, stride_lh, b,
+              hk, GROUP, Sq, n0, start_m, end_m, b_heads, key0, key1, threshold, STAGES: gl.constexpr,
+              DROPOUT: gl.constexpr):
     mbarrier.expect(kv_ready.index(0), 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + half * HALF_N, 0], kv_ready.index(0), k_smem.index(half))
@@ -206,12 +215,19 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
         # The per-query statistics go through shared memory too: a consumer that loaded them from global memory
         # would wait out that latency twice per step. Rows past Sq, and rows that saw no key (lse = -inf), get
         # lse = +inf: P = 0 there.
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
         stats = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         lse = gl.load(lse_ptr + stats + rows, mask=rows < Sq, other=float("inf"))
         lse_smem.index(slot).store(gl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E)
         delta_smem.index(slot).store(gl.load(delta_ptr + stats + rows, mask=rows < Sq, other=0.0))
         mbarrier.arrive(stats_ready.index(slot), count=1)
+        if DROPOUT:
+            # both consumers' keep masks, off their critical path: drawn by the consumers themselves, the Philox
+            # rounds sat between their matmuls (1.16-1.24x slower at D 128, 1.09-1.10x at D 64)
+            for half in gl.static_range(2):
+                _draw_keep(mask_smem.index(2 * slot + half), m0, n0 + half * HALF_N, b_heads + h, key0, key1,
+                           threshold)
+            mbarrier.arrive(mask_ready.index(slot), count=1)
 
 
 @gluon.jit
@@ -261,10 +277,10 @@ def _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, H
 
 @gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready, q_ready,
-              do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0,
-              scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0, key1, threshold, inv_keep,
-              HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr,
-              BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_TURNS: gl.constexpr):
+              do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP,
+              Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep, HALF: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
+              STAGES: gl.constexpr, DQ_TURNS: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     # (keys, queries) tiles: S^T, dP^T, P^T, dS^T
     t_layout: gl.constexpr = warpgroup_accumulator(BLOCK_M)
@@ -278,6 +294,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
     past_sk = n0 + (HALF + 1) * HALF_N > Sk
     scale_log2 = scale * _LOG2E
     keep_fraction = 1.0 / inv_keep
+    log2_inv_keep = gl.log2(inv_keep)
 
     dk = gl.zeros([HALF_N, BLOCK_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, BLOCK_D], gl.float32, layout=acc_layout)
@@ -294,27 +311,24 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
         do_tile = do_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
         # Order chosen for registers: dK and dV hold 128 per thread at head dim 128, so S^T and dP^T (32 each) and
         # the per-query vectors (16 each) are not all live at once.
-        if DROPOUT:
-            # drawn first, when only dK and dV hold registers (and Q may still be on its way); double-buffered, so
-            # one barrier per step keeps a warp's next draw from overwriting a tile another warp still reads
-            mask_buffer = mask_smem.index(2 * HALF + i % 2)
-            _draw_keep(mask_buffer, m0, n0 + HALF * HALF_N, b_heads + h, key0, key1, threshold)
-            gl.thread_barrier()
         mbarrier.wait(q_ready.index(slot), phase)
         st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
         mbarrier.wait(stats_ready.index(slot), phase)
         lse2 = lse_smem.index(slot).load(query_layout)
+        if DROPOUT:
+            lse2 = lse2 - log2_inv_keep  # P / (1 - p) from the exp2
         st = warpgroup_mma_wait(0, deps=(st,))
         pt = gl.exp2(st * scale_log2 - gl.expand_dims(lse2, 0))
         if past_sk | (m0 < full_lo) | (m0 >= full_hi):
             # keys past Sk read as zeros but would still get P = exp(-lse), which can overflow
             pt = _band_kept(pt, keys, rows, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT)
         if DROPOUT:
-            # P^T scaled where kept and negated where dropped: its sign carries the mask to dS^T below (P >= 0, and
-            # where P = 0 the mask does not matter, dS^T is 0 either way), so no mask stays live across the wait;
-            # dV takes its positive part, the dropped and rescaled P^T
-            keep = _load_keep(mask_buffer, t_layout)
-            pt = gl.where(keep, pt * inv_keep, -pt)
+            # P^T / (1 - p) (the scale came in with lse), negated where dropped: its sign carries the mask to dS^T
+            # below (P >= 0, and where P = 0 the mask does not matter, dS^T is 0 either way), so no mask stays live
+            # across the wait; dV takes its positive part, the dropped and rescaled P^T
+            mbarrier.wait(mask_ready.index(slot), phase)
+            signs = _load_drop_signs(mask_smem.index(2 * slot + HALF), t_layout)
+            pt = (pt.to(gl.uint32, bitcast=True) ^ signs).to(gl.float32, bitcast=True)
             pt_op = gl.convert_layout(gl.maximum(pt, 0.0).to(dtype), op_layout)
         else:
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -324,9 +338,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
         delta = delta_smem.index(slot).load(query_layout)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         if DROPOUT:
-            # dS^T = P^T (Z dP^T / (1 - p) - delta): where kept, pt (dP^T - delta (1 - p)); where dropped, pt delta
-            delta = gl.expand_dims(delta, 0)
-            dst = (pt * gl.where(pt > 0.0, dpt - delta * keep_fraction, delta)).to(dtype)
+            # dS^T = P^T (Z dP^T / (1 - p) - delta): where kept, pt (dP^T - delta (1 - p)); where dropped,
+            # pt delta (1 - p)
+            scaled_delta = gl.expand_dims(delta * keep_fraction, 0)
+            dst = (pt * gl.where(pt > 0.0, dpt - scaled_delta, scaled_delta)).to(dtype)
         else:
             dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         ds_op = gl.convert_layout(dst, op_layout)
@@ -363,14 +378,14 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
 
 @gluon.jit
 def _consumer_worker(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready,
-                     q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk,
-                     GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0,
-                     key1, threshold, inv_keep, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr,
-                     BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_TURNS: gl.constexpr):
+                     q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc,
+                     b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
+                     STAGES: gl.constexpr, DQ_TURNS: gl.constexpr):
     _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready, q_ready,
-              do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0,
-              scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0, key1, threshold, inv_keep, 1,
-              HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS)
+              do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP,
+              Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep, 1, HAS_LEFT, HAS_RIGHT,
+              DROPOUT, BLOCK_D, STAGES, DQ_TURNS)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "seed_lo", "seed_hi", "seed_in_memory", "threshold"])
@@ -383,6 +398,8 @@ def _attn_bwd_hopper_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TURNS: gl.constexpr,
 ):
+    # with dropout the producer is a warpgroup: it draws the keep masks too
+    PRODUCER_WARPS: gl.constexpr = 4 if DROPOUT else 1
     FIRST_HALF: gl.constexpr = 0
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -420,15 +437,16 @@ def _attn_bwd_hopper_kernel(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     stats_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mask_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # dQ parts on their way to the TMA reductions, tiles of 64 x 32 fp32: D / 32 of them, or twice that when each
     # consumer computes all columns in its turn (one buffer per consumer; a reduction has a whole step to read it)
     DQ_TILES: gl.constexpr = 2 * BLOCK_D // DQ_TILE_COLS if DQ_TURNS else BLOCK_D // DQ_TILE_COLS
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,  # noqa: RUF005
                                         dq_desc.layout)
-    # dropout keep masks (``_draw_keep``): two buffers per consumer
+    # dropout keep masks (``_draw_keep``): one per ring slot and consumer, released with the slot
     mask_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     if DROPOUT:
-        mask_smem = gl.allocate_shared_memory(gl.uint32, [4, 2 * BLOCK_M, 8], mask_layout)
+        mask_smem = gl.allocate_shared_memory(gl.uint32, [2 * STAGES, 2 * BLOCK_M, 8], mask_layout)
     else:
         mask_smem = gl.allocate_shared_memory(gl.uint32, [1, 16, 8], mask_layout)
     mbarrier.init(kv_ready.index(0), count=1)
@@ -436,6 +454,7 @@ def _attn_bwd_hopper_kernel(
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(stats_ready.index(i), count=1)
+        mbarrier.init(mask_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves of dS^T are in
@@ -444,15 +463,15 @@ def _attn_bwd_hopper_kernel(
 
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready,
-                     q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk,
-                     GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, b_heads, key0,
-                     key1, threshold, inv_keep, FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS)),
+                     q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc,
+                     b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep,
+                     FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS)),
         (_consumer_worker, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem,
-                            kv_ready, q_ready, do_ready, stats_ready, empty, ds_ready, keys_done, dk_desc, dv_desc,
-                            dq_desc, b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi,
-                            end_m, b_heads, key0, key1, threshold, inv_keep, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D,
-                            STAGES, DQ_TURNS)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready,
-                     q_ready, do_ready, stats_ready, empty, lse_ptr, delta_ptr, stride_lb, stride_lh, b, hk, GROUP, Sq,
-                     n0, start_m, end_m, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                            kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc,
+                            dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo,
+                            full_hi, end_m, inv_keep, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, mask_smem,
+                     kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, lse_ptr, delta_ptr, stride_lb,
+                     stride_lh, b, hk, GROUP, Sq, n0, start_m, end_m, b_heads, key0, key1, threshold, STAGES,
+                     DROPOUT)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

@@ -176,14 +176,20 @@ class HopperBackwardTile(NamedTuple):
     producer_regs: int  # of the TMA producer warpgroup
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
     dq_turns: bool  # one consumer per step computes all of dQ's columns, the two in turn (else half each)
+    # with dropout the producer is a warpgroup that draws the keep masks: registers per thread of it and of each
+    # consumer then
+    dropout_consumer_regs: int
+    dropout_producer_regs: int
 
 
 #: Hopper backward tiles by padded head dim: dK and dV (64 x D fp32 per warpgroup), S^T and dP^T (64 x 64) and
-#: a dQ part must fit in 240 registers; K, V (128 x D), the Q/dO ring and dS^T in 227 KiB of shared memory.
+#: a dQ part must fit in 240 registers; K, V (128 x D), the Q/dO ring and dS^T in 227 KiB of shared memory. Three
+#: warpgroups share 504 registers per thread: with dropout the mask-drawing producer takes 56 at D 64 (1.02-1.03x
+#: against 40, which leaves the consumers 232) and 40 at D 128 (1.09-1.12x against 56: the consumer spills less).
 HOPPER_BACKWARD: dict[int, HopperBackwardTile] = {
-    64: HopperBackwardTile(2, 240, 24, 168, True),
+    64: HopperBackwardTile(2, 240, 24, 168, True, dropout_consumer_regs=224, dropout_producer_regs=56),
     # at D 128 a whole dQ tile would not fit: 64 more fp32 registers per thread, 32 KiB more shared memory
-    128: HopperBackwardTile(2, 240, 24, 168, False),
+    128: HopperBackwardTile(2, 240, 24, 168, False, dropout_consumer_regs=232, dropout_producer_regs=40),
 }
 
 

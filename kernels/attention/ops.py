@@ -236,12 +236,14 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right
     band, band_flags = _band(left, right)
     grid = (cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv)
     drop_args, drop_flags = _drop_launch_args(drop, q, False)
+    dropout = drop_flags["DROPOUT"]
+    regs = (t.dropout_consumer_regs, t.dropout_producer_regs) if dropout else (t.consumer_regs, t.producer_regs)
     kernel_for(_hopper_bwd._attn_bwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), _descriptor(do, block),
         _descriptor(dk, block), _descriptor(dv, block), _descriptor(dq_acc, (1, 1, _hopper_bwd.QUERY_ROWS,
                                                                             _hopper_bwd.DQ_TILE)),
         lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
-        **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs,
+        **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
         DQ_TURNS=t.dq_turns, num_warps=4, maxnreg=t.maxnreg,
     )
 
