@@ -76,11 +76,17 @@ HOPPER_CASES = [  # (B, Hq, Hkv, Sq, Sk, D, causal, window, dtype, layout)
     (1, 2, 2, 300, 300, 128, True, (64, 0), torch.bfloat16, "bhsd"),
     (1, 2, 2, 70, 1500, 128, False, (-1, 8), torch.bfloat16, "bhsd"),
 ]
+# head dims padded to 256: a Hopper forward, the portable backward
+HOPPER_FORWARD_ONLY_CASES = [
+    (1, 2, 2, 300, 500, 256, True, (-1, -1), torch.bfloat16, "bhsd"),
+    (1, 4, 2, 257, 257, 200, False, (-1, -1), torch.float16, "bshd"),
+    (1, 2, 2, 400, 400, 256, False, (64, 0), torch.bfloat16, "bhsd"),
+]
 
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("case", HOPPER_CASES, ids=str)
+@pytest.mark.parametrize("case", HOPPER_CASES + HOPPER_FORWARD_ONLY_CASES, ids=str)
 def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(case):
     *dims, causal, window, dtype, layout = case
     q, k, v = _qkv(*dims, dtype, layout)
@@ -105,15 +111,17 @@ def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(ca
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal, sq, sk", [(False, 300, 700), (True, 300, 700), (True, 700, 300)], ids=str)
-def test_a_persistent_hopper_forward_program_walks_several_tiles_as_the_portable_kernel_would(causal, sq, sk, dtype):
+@pytest.mark.parametrize("d", [128, 256])
+def test_a_persistent_hopper_forward_program_walks_several_tiles_as_the_portable_kernel_would(causal, sq, sk, dtype,
+                                                                                             d):
     # 3 or 6 query tiles (the last one partly past Sq) x 160 heads, several per program on any Hopper GPU; causal,
     # a program takes a head's longest and shortest tiles together: with Sq 300 the middle tile goes alone, with
     # Sq 700 > Sk the first three tiles see no key
-    q, k, v = _qkv(4, 40, 8, sq, sk, 128, dtype)
-    rows = configs.HOPPER_FORWARD[128].query_rows
+    q, k, v = _qkv(4, 40, 8, sq, sk, d, dtype)
+    rows = configs.HOPPER_FORWARD[d].query_rows
     tiles_m = (sq + rows - 1) // rows
     items = ((tiles_m + 1) // 2 if causal else tiles_m) * 4 * 40
-    assert configs.HOPPER_FORWARD[128].persistent and items > 2 * configs.sm_count(q.device)
+    assert configs.HOPPER_FORWARD[d].persistent and items > 2 * configs.sm_count(q.device)
     with configs.forced_path("hopper"):
         assert ops.uses_hopper_forward(q, k, v)
         o, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
@@ -301,10 +309,10 @@ def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("why", ["dropout", "fp32", "packed", "unaligned stride", "head dim 256", "portable path"])
+@pytest.mark.parametrize("why", ["dropout", "fp32", "packed", "unaligned stride", "head dim 512", "portable path"])
 def test_calls_the_hopper_kernels_do_not_take_run_the_portable_kernels(why):
     dtype = torch.float32 if why == "fp32" else torch.bfloat16
-    d = {"unaligned stride": 36, "head dim 256": 256}.get(why, 64)  # 36: a 72-byte row stride, which TMA cannot take
+    d = {"unaligned stride": 36, "head dim 512": 512}.get(why, 64)  # 36: a 72-byte row stride, which TMA cannot take
     q, k, v = _qkv(1, 2, 2, 100, 100, d, dtype)
     if why == "packed":
         packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]

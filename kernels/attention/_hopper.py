@@ -20,20 +20,21 @@ Schedule (one program = 64 query rows per consumer warpgroup, two or three consu
 - register budget (``configs.HOPPER_FORWARD``): the producer warpgroup gives its registers back (24 per thread)
   and the consumers share the rest: at D 128 two consumers of 240 (two 64 x 128 fp32 accumulators, S and O, and
   P), at D 64 three of 160 (S 64 x 128, O 64 x 64, P), because at D 64 two consumers leave the tensor cores
-  waiting on the softmax and a third warpgroup fills that time.
-- **persistent** (``PERSISTENT``, D 128 calls without a left band edge): one program per SM takes work items round
-  robin; the K/V ring and the barrier phases run on across tiles, a consumer releases its Q rows once its last
-  Q K^T is done (the producer loads the next tile's Q while it finishes) and stages O in its own shared-memory
-  tile. A static deal needs items of equal cost: without a band every tile is one; under a causal mask (a right
-  edge alone) an item is a head's i-th longest and i-th shortest query blocks together (``PAIRED``), whose key
-  blocks add up to the same count. Dealing the causal tiles singly measured 0.55-0.85x one program per tile (the
-  programs' work differed up to 2x and they drifted apart onto different heads, out of each other's K/V in L2);
-  the pairs measured 1.08-1.16x of it from S 1024 to 4096 (1.00x at 16384). A left edge makes tiles differ
-  otherwise (one program per tile, balanced by the hardware's dispatch). At D 64 the persistent loop's extra state
-  spills three consumers of 160 registers (104 bytes; 204 paired), so D 64 runs one program per tile.
+  waiting on the softmax and a third warpgroup fills that time; at D 256 two of 240 with 32-key blocks (O 64 x 256
+  takes 128 registers; Q, O and the K/V ring take 197 KB of shared memory, 262 KB with 64-key blocks).
+- **persistent** (``PERSISTENT``, D 128 and 256 calls without a left band edge): one program per SM takes work items
+  round robin; the K/V ring and the barrier phases run on across tiles, a consumer releases its Q rows once its last
+  Q K^T is done (the producer loads the next tile's Q while it finishes) and stages O in its own shared-memory tile.
+  A static deal needs items of equal cost: without a band every tile is one; under a causal mask (a right edge
+  alone) an item is a head's i-th longest and i-th shortest query blocks together (``PAIRED``), whose key blocks add
+  up to the same count. Dealing the causal tiles singly measured 0.55-0.85x one program per tile (the programs' work
+  differed up to 2x and they drifted apart onto different heads, out of each other's K/V in L2); the pairs measured
+  1.08-1.16x of it from S 1024 to 4096 (1.00x at 16384). A left edge makes tiles differ otherwise (one program per
+  tile, balanced by the hardware's dispatch). At D 64 the persistent loop's extra state spills three consumers of
+  160 registers (104 bytes; 204 paired), so D 64 runs one program per tile.
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
-and base address are 16-byte aligned (TMA), padded head dims 64 and 128 (33-128; the TMA box pads with
+and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33-256; the TMA box pads with
 zeros and clips the store), no dropout, no packed batches (under torch.compile it runs inside an opaque op,
 ``fused_kernels::flash_attn_fwd_gluon``). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
 (``configs.prefers_hopper_forward``: the default path takes grids of two programs per SM or more, at D 64 from
