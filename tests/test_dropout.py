@@ -189,6 +189,55 @@ def test_non_contiguous_views_use_the_logical_index():
     assert torch.equal(x.grad, twin.dropout(dy.contiguous(), 0.5, seed=11))
 
 
+def _strided_view(name: str, dtype: torch.dtype) -> torch.Tensor:
+    big = DEVICE != "cpu"
+    make = lambda *shape: torch.randn(*shape, device=DEVICE).to(dtype)
+    if name == "permuted (B, S, H, D)":
+        return make(2, 1000 if big else 70, 8 if big else 3, 64).permute(0, 2, 1, 3)
+    if name == "rows of a slice":
+        return make(300 if big else 50, 96)[:, 16:48]
+    if name == "wide rows of a slice":
+        return make(5 if big else 3, 4096)[:, 1024:3072]
+    if name == "transposed":
+        return make(3 * 4096 if big else 2 * 4096, 1001 if big else 19).t()
+    if name == "transposed, rows not whole chunks":
+        return make(1000, 19).t()
+    return make(5, 6, 70).permute(2, 0, 1)  # innermost logical dim strided, not 2-D
+
+
+# view -> the strided kernel that reads it in place (None: copied to contiguous first)
+STRIDED_VIEWS = {"permuted (B, S, H, D)": "rows", "rows of a slice": "rows", "wide rows of a slice": "rows",
+                 "transposed": "columns", "transposed, rows not whole chunks": None, "3-D permuted": None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(STRIDED_VIEWS))
+def test_strided_views_are_read_in_place_with_the_mask_of_their_contiguous_copy(name, dtype, monkeypatch):
+    """The strided kernels read a view where it lies and write a result with the view's strides (as torch's
+    dropout does); their mask is the contiguous copy's, bit for bit, forward, backward and in place. Views no
+    kernel fits are copied to contiguous first."""
+    from kernels.dropout import ops
+
+    view = _strided_view(name, dtype)
+    assert not view.is_contiguous()
+    launched = []
+    kernel_for = ops.kernel_for
+    monkeypatch.setattr(ops, "kernel_for", lambda kernel, **kw: launched.append(kernel) or kernel_for(kernel, **kw))
+    expected = twin.dropout(view.contiguous(), 0.3, seed=21)
+    y = dropout(view, 0.3, seed=21)
+    assert torch.equal(y, expected)
+    kernel = STRIDED_VIEWS[name]
+    assert launched == [getattr(ops, f"_dropout_{kernel}_kernel" if kernel else "_dropout_fwd_kernel")]
+    if kernel:
+        assert y.stride() == torch.empty_like(view).stride()
+    x = view.detach().clone().requires_grad_(True)  # clone keeps a dense view's strides
+    dropout(x, 0.3, seed=21).backward(view)
+    assert torch.equal(x.grad, expected)
+    in_place = view.clone()
+    dropout(in_place, 0.3, seed=21, inplace=True)
+    assert torch.equal(in_place, expected)
+
+
 def test_p_zero_and_eval_return_x_and_p_one_returns_zeros():
     x = torch.randn(100, device=DEVICE, requires_grad=True)
     assert dropout(x, 0.0) is x
@@ -336,11 +385,17 @@ def test_backward_allocates_nothing_the_size_of_the_input():
 
 
 @pytest.mark.cuda
-def test_torch_compile_of_the_op_alone_is_bit_exact():
-    x = torch.randn(3, 5000, device="cuda", requires_grad=True)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "permuted"])
+def test_torch_compile_of_the_op_alone_is_bit_exact(layout):
+    """Compiled calls trace the same kernels (the strided ones for views they fit) and give the eager mask."""
+    base = {"contiguous": lambda: torch.randn(3, 5000, device="cuda"),
+            "transposed": lambda: torch.randn(8192, 3, device="cuda").t(),
+            "permuted": lambda: torch.randn(2, 100, 4, 64, device="cuda").permute(0, 2, 1, 3)}[layout]()
+    x = base.detach().requires_grad_(True)  # detach keeps the view's strides
     compiled = torch.compile(lambda t: dropout(t, 0.3, seed=1234), fullgraph=True)
     y_eager, y_compiled = dropout(x, 0.3, seed=1234), compiled(x)
     assert torch.equal(y_eager, y_compiled)
+    assert torch.equal(y_eager, twin.dropout(x.detach().contiguous(), 0.3, seed=1234))
     dy = torch.randn_like(y_eager)
     (g_eager,) = torch.autograd.grad(y_eager, x, dy)
     (g_compiled,) = torch.autograd.grad(y_compiled, x, dy)

@@ -13,14 +13,18 @@ call per four elements) rather than one word per element keeps the kernel bound 
 integer pipes; the price is a fixed element-to-word layout (runs of ``LANE_STRIDE`` elements per word),
 which the kernel matches with four contiguous loads so nothing is shuffled between threads.
 
-Limits: contiguous input (the launcher makes a contiguous copy of a strided view); 64-bit offsets, so
-any element count works.
+Strided views: ``_dropout_rows_kernel`` (innermost logical dim contiguous, e.g. a permuted (B, S, H, D) tensor)
+and ``_dropout_columns_kernel`` (a transposed 2-D matrix whose rows are whole chunks) read a view where it lies
+and compute each element's word from its logical index, so the mask is the contiguous copy's; the launcher picks
+them (``kernels.dropout.ops._launch_strided``) and copies other views to contiguous first.
+
+Limits: 64-bit offsets, so any element count works.
 """
 
 import triton
 import triton.language as tl
 
-from kernels._common.philox import LANE_STRIDE, chunk_words, philox_key, scaled_where_kept
+from kernels._common.philox import LANE_STRIDE, chunk_words, philox4x32, philox_key, scaled_where_kept
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
@@ -60,3 +64,110 @@ def _dropout_fwd_kernel(
         tl.store(y_ptr + offs1, scaled_where_kept(x1, w1, thr, scale).to(out_ty), mask=offs1 < n)
         tl.store(y_ptr + offs2, scaled_where_kept(x2, w2, thr, scale).to(out_ty), mask=offs2 < n)
         tl.store(y_ptr + offs3, scaled_where_kept(x3, w3, thr, scale).to(out_ty), mask=offs3 < n)
+
+
+@triton.jit
+def _run_words(group, k0, k1):
+    """The four Philox words of the element-wise layout's groups ``group`` (int64 tensor, any shape): word ``w``
+    of group ``chunk * LANE_STRIDE + j`` decides element ``chunk * 4 * LANE_STRIDE + w * LANE_STRIDE + j``."""
+    group = group.to(tl.uint64)
+    zero = tl.zeros(group.shape, tl.uint32)
+    return philox4x32(group.to(tl.uint32), (group >> 32).to(tl.uint32), zero, zero, k0, k1)
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
+def _dropout_rows_kernel(
+    x_ptr, y_ptr,  # a view of logical shape (S0, S1, S2, S3) each, innermost logical dim contiguous in x
+    n,  # element count, S0 * S1 * S2 * S3
+    S1, S2, S3,
+    xs0, xs1, xs2,  # x's strides of the three outer dims (the last one is 1)
+    ys0, ys1, ys2, ys3,  # y's strides
+    seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, scale,  # as _dropout_fwd_kernel
+    ROW: tl.constexpr,  # min(S3, LANE_STRIDE): S3 divides LANE_STRIDE or LANE_STRIDE divides S3
+    ONE_WRAP: tl.constexpr,  # a chunk's rows cross at most one S2 boundary (S2 >= rows per chunk)
+    INDEX_64: tl.constexpr,  # row indices past 2^31
+):
+    """The element-wise layout's chunk ``program_id(0)`` of a strided view whose innermost logical dim is contiguous:
+    each run of ``LANE_STRIDE`` logical elements is ``LANE_STRIDE // ROW`` pieces of ``ROW`` contiguous elements
+    (whole rows when S3 <= LANE_STRIDE, a piece of one row otherwise), so every load is as wide as in
+    ``_dropout_fwd_kernel`` and the four words of a Philox call still meet their four elements in one thread.
+
+    Index arithmetic: the chunk's first row is split into (S0, S1, S2) indices once per program; the other rows
+    step from it, carrying into S1 and S0 (``ONE_WRAP``) or, where S2 is shorter than a chunk's rows, divided out
+    one by one. A division per row cost the first version 90% of its speed (271 GB/s against 2,000, H100)."""
+    k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
+    thr = tl.cast(threshold, tl.uint32)
+    scale = tl.cast(scale, tl.float32)
+    out_ty = y_ptr.dtype.element_ty
+    index_ty: tl.constexpr = tl.int64 if INDEX_64 else tl.int32
+    PIECES: tl.constexpr = LANE_STRIDE // ROW
+    piece = tl.arange(0, PIECES)[:, None]
+    column = tl.arange(0, ROW)[None, :]
+    lane = piece * ROW + column
+    chunk = tl.program_id(0).to(tl.int64)
+    base = chunk * (4 * LANE_STRIDE)
+    first_row = (base // S3).to(index_ty)
+    first_col = (base % S3).to(index_ty)
+    i2 = first_row % S2
+    i1 = (first_row // S2) % S1
+    i0 = first_row // S2 // S1
+    xs, y_offs, inside = (), (), ()
+    for w in tl.static_range(4):
+        if ROW < LANE_STRIDE:  # whole rows: S3 == ROW, and a chunk starts a row
+            step = w * PIECES + piece
+            col = column
+        else:  # S3 a multiple of LANE_STRIDE: the run is one row's columns
+            step = (first_col + w * LANE_STRIDE) // S3
+            col = (first_col + w * LANE_STRIDE) % S3 + column
+        if ONE_WRAP:
+            j2 = i2 + step
+            wrap = (j2 >= S2).to(index_ty)
+            j2 -= wrap * S2
+            j1 = i1 + wrap
+            wrap = (j1 >= S1).to(index_ty)
+            j1 -= wrap * S1
+            j0 = i0 + wrap
+        else:
+            row = first_row + step
+            j2 = row % S2
+            j1 = (row // S2) % S1
+            j0 = row // S2 // S1
+        x_off = j0.to(tl.int64) * xs0 + j1.to(tl.int64) * xs1 + j2.to(tl.int64) * xs2 + col
+        y_offs += (j0.to(tl.int64) * ys0 + j1.to(tl.int64) * ys1 + j2.to(tl.int64) * ys2 + col * ys3,)
+        mask = base + w * LANE_STRIDE + lane < n
+        xs += (tl.load(x_ptr + x_off, mask=mask, eviction_policy="evict_first"),)
+        inside += (mask,)
+    words = _run_words(chunk * LANE_STRIDE + lane, k0, k1)
+    for w in tl.static_range(4):
+        tl.store(y_ptr + y_offs[w], scaled_where_kept(xs[w], words[w], thr, scale).to(out_ty), mask=inside[w])
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
+def _dropout_columns_kernel(
+    x_ptr, y_ptr,  # a 2-D view (R, C), C a multiple of 4 * LANE_STRIDE, contiguous along R in x and y
+    R, C,
+    xs_c, ys_c,  # the strides of the C axis
+    seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, scale,  # as _dropout_fwd_kernel
+    BLOCK_R: tl.constexpr,  # rows per program: the contiguous direction, one coalesced access per column
+    BLOCK_J: tl.constexpr,  # lanes of a run per program
+):
+    """A transposed view: the runs lie along C, whose elements are ``xs_c`` apart in memory, while R is contiguous.
+    A program takes ``BLOCK_R`` rows x ``BLOCK_J`` lanes of one chunk's four runs of every row: each Philox call
+    (row, chunk, lane) decides four elements of the tile, and each access walks R, contiguous in memory. Requires
+    whole chunks in every row (C a multiple of ``4 * LANE_STRIDE``), so that chunk = row * C / (4 LS) + k."""
+    k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
+    thr = tl.cast(threshold, tl.uint32)
+    scale = tl.cast(scale, tl.float32)
+    out_ty = y_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    lane = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)[None, :]
+    chunk_in_row = tl.program_id(2).to(tl.int64)
+    inside = row < R
+    xs = ()
+    for w in tl.static_range(4):
+        col = chunk_in_row * (4 * LANE_STRIDE) + w * LANE_STRIDE + lane
+        xs += (tl.load(x_ptr + row + col * xs_c, mask=inside, eviction_policy="evict_first"),)
+    words = _run_words((row * (C // (4 * LANE_STRIDE)) + chunk_in_row) * LANE_STRIDE + lane, k0, k1)
+    for w in tl.static_range(4):
+        col = chunk_in_row * (4 * LANE_STRIDE) + w * LANE_STRIDE + lane
+        tl.store(y_ptr + row + col * ys_c, scaled_where_kept(xs[w], words[w], thr, scale).to(out_ty), mask=inside)

@@ -14,7 +14,8 @@ Both are ``torch.library.triton_op``s, so torch.compile sees the Triton kernel. 
 the Triton interpreter they run the twin ``reference.dropout`` (bit-identical).
 
 Launch rule: one program per ``4 * LANE_STRIDE * CHUNKS`` elements, CHUNKS and the warps from
-``kernels.dropout.configs``.
+``kernels.dropout.configs``; a strided view that one of the strided kernels fits runs there, in place, with the
+result in the view's strides (``_launch_strided``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from kernels._common.seed import (
     seed_value,
 )
 from kernels.dropout import configs
-from kernels.dropout._kernels import _dropout_fwd_kernel
+from kernels.dropout._kernels import _dropout_columns_kernel, _dropout_fwd_kernel, _dropout_rows_kernel
 from reference.dropout import LANE_STRIDE
 
 _CHUNK = 4 * LANE_STRIDE  # elements per Philox call group: four runs of LANE_STRIDE
@@ -70,16 +71,75 @@ def _launch(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: 
     )
 
 
+def _collapsed_dims(x: torch.Tensor, out: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(size, x stride, out stride)`` of the logical dims, size-1 dims dropped and neighbours merged where both
+    tensors step through them as one (the outer stride is the inner one times the inner size)."""
+    dims: list[tuple[int, int, int]] = []
+    for size, xs, ys in zip(x.shape, x.stride(), out.stride(), strict=True):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == xs * size and dims[-1][2] == ys * size:
+            dims[-1] = (dims[-1][0] * size, xs, ys)
+        else:
+            dims.append((size, xs, ys))
+    return dims
+
+
+def _launch_strided(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, traceable: bool) -> bool:
+    """Run a strided view through the kernel that reads it in place, when one fits its layout; False when none
+    does (the caller copies it to contiguous first). Both kernels draw each element's word from its logical
+    index, so a view gets the mask of its contiguous copy.
+
+    - innermost logical dim contiguous (a permuted ``(B, S, H, D)`` view, a slice of rows), at most 4 dims after
+      merging, that dim a power of two from 16 to ``LANE_STRIDE`` or a multiple of ``LANE_STRIDE``:
+      ``_dropout_rows_kernel``;
+    - 2-D, contiguous along the rows (a ``.t()`` of a contiguous matrix), the row length a multiple of
+      ``4 * LANE_STRIDE``: ``_dropout_columns_kernel``."""
+    dims = _collapsed_dims(src, out)
+    seed_lo, seed_hi, seed_tensor, threshold, scale = scalars
+    seed_ptr, seed_in_memory = seed_pointer(seed_tensor, src, traceable)
+    seed_args = (seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, scale)
+    if 1 < len(dims) <= 4 and dims[-1][1] == 1:
+        inner = dims[-1][0]
+        if (16 <= inner <= LANE_STRIDE and LANE_STRIDE % inner == 0) or inner % LANE_STRIDE == 0:
+            dims = [(1, 0, 0)] * (4 - len(dims)) + dims
+            (_, xs0, ys0), (s1, xs1, ys1), (s2, xs2, ys2), (s3, _, ys3) = dims
+            n = src.numel()
+            rows_per_chunk = max(1, _CHUNK // s3)
+            kernel_for(_dropout_rows_kernel, traceable=traceable)[(cdiv(n, _CHUNK),)](
+                src, out, n, s1, s2, s3, xs0, xs1, xs2, ys0, ys1, ys2, ys3, *seed_args, ROW=min(inner, LANE_STRIDE),
+                ONE_WRAP=s2 >= rows_per_chunk, INDEX_64=n // s3 + rows_per_chunk >= 2**31,
+                num_warps=configs.NUM_WARPS,
+            )
+            return True
+    if len(dims) == 2 and dims[0][1] == 1 and dims[0][2] == 1 and dims[1][0] % _CHUNK == 0:
+        (rows, _, _), (columns, xs_c, ys_c) = dims
+        block_r, block_j = configs.COLUMNS_TILE[src.element_size()]
+        kernel_for(_dropout_columns_kernel, traceable=traceable)[
+            (cdiv(rows, block_r), LANE_STRIDE // block_j, columns // _CHUNK)](
+            src, out, rows, columns, xs_c, ys_c, *seed_args, BLOCK_R=block_r, BLOCK_J=block_j,
+            num_warps=configs.NUM_WARPS,
+        )
+        return True
+    return False
+
+
 def _dropout_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = False,
                   scalars: tuple | None = None) -> torch.Tensor:
     """Seeded dropout for ``0 < p < 1`` and a 64-bit unsigned ``seed`` (or a device seed): the one
     implementation behind the eager path and the registered op (``scalars``: ``dropout_scalars(p, seed)``
-    when already known)."""
+    when already known). A strided view is read in place where a kernel fits its layout (the result then has
+    the view's strides, as torch's), else copied to contiguous first."""
     if backend_for(x) == "reference":
         return twin.dropout(x, p, seed=seed_value(seed))
+    scalars = scalars or dropout_scalars(p, seed)
+    if not x.is_contiguous() and not nothing_to_launch(x):
+        out = torch.empty_like(x)
+        if _launch_strided(x, out, scalars, traceable=traceable):
+            return out
     src = x.contiguous()
     out = torch.empty_like(src)
-    _launch(src, out, scalars or dropout_scalars(p, seed), traceable=traceable)
+    _launch(src, out, scalars, traceable=traceable)
     return out
 
 
@@ -122,10 +182,13 @@ dropout_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _dropout_inplace_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = False) -> None:
-    if backend_for(x) == "reference" or not x.is_contiguous():
+    if backend_for(x) == "reference":
         x.copy_(_dropout_impl(x, p, seed, traceable=traceable))
-    else:
+    elif x.is_contiguous():
         _launch(x, x, dropout_scalars(p, seed), traceable=traceable)
+    elif nothing_to_launch(x) or not _launch_strided(x, x, dropout_scalars(p, seed), traceable=traceable):
+        # each element is read and written by one thread, so the strided kernels can write into their input
+        x.copy_(_dropout_impl(x, p, seed, traceable=traceable))
 
 
 @triton_op(f"{LIBRARY_NAMESPACE}::dropout_", mutates_args={"x"})
