@@ -88,24 +88,56 @@ def interleaved_medians(runs: dict[str, Callable[[], object]], rounds: int, *,
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def graph_us(fn: Callable[[], object], *, replays: int = 100) -> float:
-    """Device microseconds per call of ``fn`` replayed from a CUDA graph: no host work between kernels, so
-    the pure device time of the same work ``host_us`` times from the host."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
+def graph_ms(make_run: Callable[[], Callable[[], object]], *, touched_bytes: float = 0.0, replays: int = 20) -> float:
+    """Device milliseconds per call, from CUDA-graph replay: no host work between kernels, so what the device
+    alone takes, whatever the Python and launch path in front of it cost.
+
+    ``make_run()`` builds one instance of the work (its own inputs, and for a backward its own forward graph)
+    and returns the call to time. The graph cycles through enough instances that the bytes they touch
+    (``touched_bytes`` each) exceed twice the L2 cache, so every call reads from memory as after
+    ``time_ms``'s L2 flush; ``touched_bytes=0`` times one instance over and over (data stays in L2).
+    Instances are built and warmed up on the capture stream, so a backward's kernels (autograd runs them on
+    the forward's stream) are captured too. Each replay is queued behind a device-side sleep, so the host's
+    launch of the graph is hidden; the median over ``replays`` replays is returned. Smoke mode: wall clock
+    of the same cycle (the path is exercised; the figure means nothing)."""
+    if SMOKE:
+        runs = [make_run() for _ in range(2)]
+        return time_ms(lambda: [run() for run in runs]) / len(runs)
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    instances = max(1, math.ceil(2 * l2_bytes / touched_bytes)) if touched_bytes > 0 else 1
+    calls_per_instance = max(1, math.ceil(32 / instances))  # >= 32 calls per graph: the sleep covers its launch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        runs = [make_run() for _ in range(instances)]
+        for _ in range(2):  # compilation, autotuning and cached workspaces happen here, outside the capture
+            for run in runs:
+                run()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls_per_instance):
+                for run in runs:
+                    run()
         graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1e3
+        stream.synchronize()
+        per_call = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(2_000_000)  # ~1 ms of device time, ahead of the host's graph launch
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            per_call.append(start.elapsed_time(end) / (calls_per_instance * instances))
+    torch.cuda.current_stream().wait_stream(stream)
+    return statistics.median(per_call)
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    """Device microseconds per call of ``fn``, replayed from a CUDA graph over the same inputs (see
+    :func:`graph_ms`): the pure device time of the work ``host_us`` times from the host."""
+    return graph_ms(lambda: fn) * 1e3
 
 
 def host_us(fn: Callable[[], object], *, calls: int = 300, warmup: int = 10, until_done: bool = False) -> float:
@@ -256,6 +288,9 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         f"{'smoke mode: these timings mean nothing' if SMOKE else 'CUDA events, median, L2 flushed'}.",
         "",
     ]
+    if any("timing" in r for r in records):
+        lines += ["`timing`: host = CUDA events around calls issued from Python (host work counts where it is "
+                  "longer than the kernels); device = CUDA-graph replay, inputs cycled past L2 (no host work).", ""]
     named = RATIO_PEERS.get(family, RATIO_PEERS.get(family.split("-")[0], ()))
     ratio_peers = [p for p in named if p in providers]
     head = ["direction", "dtype", *shape_keys, *providers, *(f"ours / {p}" for p in ratio_peers), "ours / best peer",

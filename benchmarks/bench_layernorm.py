@@ -6,6 +6,12 @@ Two sweeps (the family's speed targets are stated on both):
   ``--cpp_ext --cuda_ext`` options), Liger (when ``liger_kernel`` imports).
 - ``bandwidth``: M * N = 2**27 elements, N = 256 ... 65536, bf16, ours and torch.
 
+Each record says how it was timed (``timing``): "host", CUDA events around calls issued from Python as a
+model issues them (``do_bench``, L2 flushed), so a provider's host path counts wherever it is longer than its
+kernels; "device", the classic sweep again replayed from a CUDA graph (no host work; inputs cycled through
+enough copies to miss L2), which is what the kernels themselves take. At M = 4096 the kernels run for a few
+microseconds, so the two differ by the providers' host costs.
+
 Bytes counted: forward 2 * M * N * elt (read x, write y), backward 3 * M * N * elt (read x and dy, write
 dx); the weight, bias and statistics are small and not counted.
 
@@ -21,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import SMOKE
+from benchmarks._harness import SMOKE, graph_ms
 from kernels._mode import DEVICE
 from kernels.layernorm import add_dropout_norm, layer_norm, rms_norm
 
@@ -75,42 +81,54 @@ def _provider_fn(provider: str, kind: str, n: int, dtype):
     return (lambda x, w, b: module(x)), list(module.parameters())
 
 
+def _norm_instance(fn, module_params, m: int, n: int, dtype, direction: str):
+    """One instance of a point: its own inputs and ``(run, grad_to_none)``. The backward's run is
+    ``y.backward(dy)`` with the gradients reset by the timer (host timing) or ``torch.autograd.grad``, which
+    accumulates nothing (device timing: a graph replays the calls without resetting anything)."""
+    x = torch.randn(m, n, device=DEVICE, dtype=dtype)
+    w = torch.rand(n, device=DEVICE, dtype=dtype) + 0.5
+    b = torch.randn(n, device=DEVICE, dtype=dtype)
+    if direction == "fwd":
+        return functools.partial(fn, x, w, b), None, None
+    params = [x, w, b] if module_params is None else [x]
+    for t in params:
+        t.requires_grad_(True)
+    y = fn(x, w, b)
+    dy = torch.randn_like(y)
+    inputs = params + (module_params or [])
+    grads_only = lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True, allow_unused=True)  # RMS: no bias
+    return (lambda: y.backward(dy, retain_graph=True)), inputs, grads_only
+
+
+@pytest.mark.parametrize("timing", ["host", "device"])
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize(("sweep", "m", "n", "dtype"), _points(), ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_norm(measure, provider, sweep, m, n, dtype, kind, direction):
+def test_norm(measure, recorder, provider, sweep, m, n, dtype, kind, direction, timing):
+    """``timing``: "host", CUDA events around calls issued from Python (the host's work counts where it is
+    longer than the kernels'); "device", CUDA-graph replay (``benchmarks._harness.graph_ms``), the classic
+    sweep only: at M = 4096 the kernels take a few microseconds, less than any provider's host path."""
     if sweep == "bandwidth" and provider not in ("ours", "torch"):
         pytest.skip("the bandwidth sweep compares ours with torch only")
+    if sweep == "bandwidth" and timing == "device":
+        pytest.skip("the bandwidth sweep is device-bound: host timing is device timing there")
     fn, module_params = _provider_fn(provider, kind, n, dtype)
-    x = torch.randn(m, n, device=DEVICE, dtype=dtype)
-    w = torch.rand(n, device=DEVICE, dtype=dtype) + 0.5
-    b = torch.randn(n, device=DEVICE, dtype=dtype)
-    elt = x.element_size()
-    if direction == "fwd":
-        run = functools.partial(fn, x, w, b)
-        grad_to_none = None
-        moved = 2 * m * n * elt
-    else:
-        params = [x, w, b] if module_params is None else [x]
-        for t in params:
-            t.requires_grad_(True)
-        y = fn(x, w, b)
-        dy = torch.randn_like(y)
-        run = lambda: y.backward(dy, retain_graph=True)
-        grad_to_none = params + (module_params or [])
-        moved = 3 * m * n * elt
-    measure(
-        run,
-        grad_to_none=grad_to_none,
-        family="layernorm",
-        provider=provider,
-        direction=direction,
-        dtype=dtype,
-        shape={"sweep": sweep, "kind": kind, "M": m, "N": n},
-        x_key="N",
-        bytes_moved=moved,
-    )
+    elt = torch.tensor([], dtype=dtype).element_size()
+    moved = (2 if direction == "fwd" else 3) * m * n * elt
+    fields = dict(family="layernorm", provider=provider, direction=direction, dtype=dtype,
+                  shape={"sweep": sweep, "timing": timing, "kind": kind, "M": m, "N": n}, x_key="N",
+                  bytes_moved=moved)
+    if timing == "host":
+        run, grad_to_none, _ = _norm_instance(fn, module_params, m, n, dtype, direction)
+        measure(run, grad_to_none=grad_to_none, **fields)
+        return
+
+    def make_run():
+        run, _, grads_only = _norm_instance(fn, module_params, m, n, dtype, direction)
+        return grads_only or run
+
+    recorder.add(ms=graph_ms(make_run, touched_bytes=moved), **fields)
 
 
 def _add_dropout_norm_points():

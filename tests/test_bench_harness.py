@@ -85,3 +85,35 @@ def test_write_results_writes_json_markdown_plot_and_ceilings(tmp_path):
     assert (tmp_path / "toy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     meta = json.loads((tmp_path / "ceilings.json").read_text())
     assert meta["copy_gbps"] == 1000.0
+
+
+def test_host_and_device_timings_of_one_point_are_separate_rows_with_their_meaning_stated():
+    rec = Recorder(ceilings=Ceilings(copy_gbps=1000.0, matmul_tflops=500.0, device="test-gpu"))
+    for timing, ms in (("host", 2.0), ("device", 1.0)):
+        rec.add(family="toy", provider="ours", direction="fwd", dtype="float16", shape={"timing": timing, "n": 8},
+                ms=ms, x_key="n", bytes_moved=1e9)
+    table = markdown_table("toy", rec.records, rec.ceilings)
+    rows = [line for line in table.splitlines() if line.startswith("| fwd")]
+    assert [row.split(" | ")[2] for row in rows] == ["device", "host"]
+    assert "CUDA-graph replay" in table
+
+
+def test_graph_ms_times_separate_instances_of_the_work():
+    import benchmarks._harness as harness
+
+    built, calls = [], []
+
+    def make_run():
+        built.append(len(built))
+        index = built[-1]
+        return lambda: calls.append(index)
+
+    if harness.SMOKE:
+        touched, expected = 1.0, 2
+    else:  # instances enough to touch twice the L2 cache
+        import torch
+
+        touched, expected = torch.cuda.get_device_properties(0).L2_cache_size / 2, 4
+    ms = harness.graph_ms(make_run, touched_bytes=touched)
+    assert ms >= 0.0
+    assert len(built) == expected and set(calls) == set(built)
