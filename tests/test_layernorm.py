@@ -486,7 +486,8 @@ def test_fused_add_dropout_norm_drops_what_the_dropout_kernel_drops():
 
 def test_fused_add_dropout_norm_with_cut_chunks_and_the_wide_paths():
     """Small tiles (programs that start and end inside a dropout chunk, several tiles per backward program)
-    and rows wider than one tile (the chunked forward, the two-kernel backward) against the twin."""
+    and rows wider than one tile (the chunked forward, the split-row backward with per-element masks) against
+    the twin."""
     from kernels.layernorm import configs
 
     x, res, w, b = _fused_inputs(41, 300, "layer", torch.float32, "same")
@@ -502,6 +503,46 @@ def test_fused_add_dropout_norm_with_cut_chunks_and_the_wide_paths():
                                                       seed=77, x_dtype=torch.float32)
             for name, got, want in zip(("dx", "dres", "dw", "db"), (dx, dres, dw, db), expected, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{name} {changes}")
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_fused_add_dropout_norm_split_row_backward_draws_whole_chunks(kind):
+    """Rows split into column blocks of one dropout chunk each (the mask drawn in the tile's layout): the
+    gradients equal the twin's, and dx is exactly ``dropout`` of the residual's gradient."""
+    from kernels.layernorm import configs
+
+    x, res, w, b = _fused_inputs(3, 8192, kind, torch.float32, "same")
+    with configs.override(max_fused_bwd=4096):
+        assert not configs.fused_backward(8192)
+        inputs, (y, r), _ = _fused_and_twin(x, res, w, b, kind, 0.3, True)
+        dy, dr_out = torch.randn_like(y), torch.randn_like(r)
+        grads = torch.autograd.grad((y, r), [t for t in inputs if t is not None], (dy, dr_out))
+    expected = twin.add_dropout_norm_backward(dy, dr_out, r.detach(), w, kind=kind, dropout_p=0.3, seed=77,
+                                              x_dtype=torch.float32)
+    for name, got, want in zip(("dx", "dres", "dw", "db"), grads, expected, strict=False):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+    assert torch.equal(grads[0], dropout(grads[1], 0.3, seed=77))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("kind", "n"), [("layer", 16384), ("rms", 65536), ("layer", 100000)], ids=str)
+def test_split_row_backward_exchange_equals_two_launches_on_every_repeat(kind, n):
+    """The one-launch backward (programs wait for each other's row sums) against the two-launch one, which
+    cannot race: the same sums in the same order, so bitwise equal, on every one of many runs (a missing
+    barrier or a stale read shows up on some runs only)."""
+    from kernels.layernorm import configs
+
+    m = 2048
+    x, w, b, dy = _inputs(m, n, torch.bfloat16)
+    fn = (lambda t, *p: layer_norm(t, n, *p)) if kind == "layer" else (lambda t, *p: rms_norm(t, n, *p))
+    params = [w, b] if kind == "layer" else [w]
+    assert configs.wide_backward(m, n, torch.cuda.get_device_properties(0).multi_processor_count)[2]
+    with configs.override(wide_exchange=False):
+        expected = _run(fn, x, params, dy)
+    for _ in range(30):
+        got = _run(fn, x, params, dy)
+        for name, a, e in zip(("y", "dx", "dw", "db"), got, expected, strict=False):
+            assert torch.equal(a, e), name
 
 
 def test_fused_add_dropout_norm_gradient_of_y_alone_and_inference():
@@ -615,13 +656,21 @@ def test_add_dropout_norm_ops_pass_opcheck_on_the_twin_path():
 
 
 @pytest.mark.cuda
-def test_add_dropout_norm_compiles_fullgraph_and_matches_eager():
-    x, res, w, b = (t.requires_grad_(True) for t in _fused_inputs(64, 256, "layer", torch.bfloat16, "fp32 stream"))
-    f = torch.compile(lambda a, r_in: ops.add_dropout_norm(a, r_in, w, b, dropout_p=0.2, seed=5), fullgraph=True)
+@pytest.mark.parametrize("p", [0.2, 0.0])
+@pytest.mark.parametrize("n", [256, 16384], ids=["one-tile rows", "split rows"])
+def test_add_dropout_norm_compiles_fullgraph_and_matches_eager(n, p):
+    """Split rows without dropout take the one-launch (cooperative) backward, with dropout two launches."""
+    x, res, w, b = (t.requires_grad_(True) for t in _fused_inputs(64, n, "layer", torch.bfloat16, "fp32 stream"))
+    f = torch.compile(lambda a, r_in: ops.add_dropout_norm(a, r_in, w, b, dropout_p=p, seed=5), fullgraph=True)
     y_c, r_c = f(x, res)
-    y_e, r_e = ops.add_dropout_norm(x, res, w, b, dropout_p=0.2, seed=5)
-    assert torch.equal(r_c, r_e) and torch.equal(y_c, y_e)
+    y_e, r_e = ops.add_dropout_norm(x, res, w, b, dropout_p=p, seed=5)
+    assert torch.equal(r_c, r_e)
+    # Split rows: y one bf16 rounding apart at some 3e-5 of the elements (H100, from N = 8192 on; the compiled
+    # and the eager call launch the same forward kernel, and why they round differently there is not yet
+    # known), so the gradients that go through the saved statistics may differ by a bf16 ulp too.
+    ulp = 2 ** -7 if n > 256 else 0
+    torch.testing.assert_close(y_c, y_e, rtol=ulp, atol=1e-6 if n > 256 else 0)
     g_c = torch.autograd.grad((y_c.float().sum() + r_c.sum()), [x, res, w, b])
     g_e = torch.autograd.grad((y_e.float().sum() + r_e.sum()), [x, res, w, b])
     for a, c in zip(g_e, g_c, strict=True):
-        torch.testing.assert_close(c, a, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(c, a, rtol=max(ulp, 1e-3), atol=1e-3)

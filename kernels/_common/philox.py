@@ -70,14 +70,21 @@ def philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory):
 
 
 @triton.jit
-def chunk_words(chunk, k0, k1):
-    """The four Philox words of chunk ``chunk`` (int64) of the element-wise dropout layout
-    (``reference/dropout.py``): word ``w`` decides elements ``chunk * 4 * LANE_STRIDE + w * LANE_STRIDE + j``
-    for ``j`` in ``0 .. LANE_STRIDE - 1`` (each word a ``LANE_STRIDE`` tensor)."""
-    lane = tl.arange(0, LANE_STRIDE)
-    group = (chunk * LANE_STRIDE + lane).to(tl.uint64)
-    zero = tl.zeros_like(lane).to(tl.uint32)
+def group_words(group, k0, k1):
+    """The four Philox words of the element-wise layout's groups ``group`` (int64 tensor, any shape): word ``w``
+    of group ``chunk * LANE_STRIDE + j`` decides element ``chunk * 4 * LANE_STRIDE + w * LANE_STRIDE + j``
+    (``reference/dropout.py``). The group index is the Philox counter's low 64 bits."""
+    group = group.to(tl.uint64)
+    zero = tl.zeros(group.shape, tl.uint32)
     return philox4x32(group.to(tl.uint32), (group >> 32).to(tl.uint32), zero, zero, k0, k1)
+
+
+@triton.jit
+def chunk_words(chunk, k0, k1):
+    """The four Philox words of chunk ``chunk`` (int64): word ``w`` decides elements
+    ``chunk * 4 * LANE_STRIDE + w * LANE_STRIDE + j`` for ``j`` in ``0 .. LANE_STRIDE - 1`` (each word a
+    ``LANE_STRIDE`` tensor)."""
+    return group_words(chunk * LANE_STRIDE + tl.arange(0, LANE_STRIDE), k0, k1)
 
 
 @triton.jit
@@ -104,7 +111,17 @@ def tile_keep_factor(row0, N, k0, k1, threshold, scale, BLOCK_M: tl.constexpr, B
     """The dropout factors (``scale`` where kept, 0 where dropped, fp32) of the ``BLOCK_M x BLOCK_N`` tile of
     rows ``row0 ..`` of a contiguous ``(M, N)`` tensor, in the element-wise layout: the same mask as
     ``chunk_words`` over the flat elements. Requires ``N == BLOCK_N`` and ``BLOCK_M * BLOCK_N`` a multiple of
-    ``4 * LANE_STRIDE`` (so that, with ``row0`` a multiple of ``BLOCK_M``, the tile is whole chunks).
+    ``4 * LANE_STRIDE`` (so that, with ``row0`` a multiple of ``BLOCK_M``, the tile is whole chunks)."""
+    CHUNKS: tl.constexpr = BLOCK_M * BLOCK_N // (4 * LANE_STRIDE)
+    chunk = (tl.cast(row0, tl.int64) * N) // (4 * LANE_STRIDE) + tl.arange(0, CHUNKS).to(tl.int64)
+    return chunks_keep_factor(chunk, k0, k1, threshold, scale, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def chunks_keep_factor(chunk, k0, k1, threshold, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dropout factors of whole chunks ``chunk`` (int64, ``BLOCK_M * BLOCK_N // (4 * LANE_STRIDE)`` of them,
+    any indices) laid out one after the other as a ``BLOCK_M x BLOCK_N`` tile: a tile whose rows are whole
+    chunks (``BLOCK_N == 4 * LANE_STRIDE``, e.g. one column block of several rows) or whose rows divide one.
 
     The tile's flat elements, viewed as ``(chunks, 4, LANE_STRIDE)``, are the chunks with their four runs:
     the words are drawn on ``(chunks, LANE_STRIDE)``, broadcast along the run axis and the view reshaped
@@ -112,12 +129,20 @@ def tile_keep_factor(row0, N, k0, k1, threshold, scale, BLOCK_M: tl.constexpr, B
     of its lanes, so each Philox call serves four elements, unless the warps of a program span more than
     ``LANE_STRIDE`` elements of one chunk (more than 4 warps of 8-element strips): then warps along the run
     axis draw the same words."""
-    CHUNKS: tl.constexpr = BLOCK_M * BLOCK_N // (4 * LANE_STRIDE)
-    chunk = (tl.cast(row0, tl.int64) * N) // (4 * LANE_STRIDE) + tl.arange(0, CHUNKS).to(tl.int64)
-    group = (chunk[:, None] * LANE_STRIDE + tl.arange(0, LANE_STRIDE)[None, :]).to(tl.uint64)
-    zero = tl.zeros_like(group).to(tl.uint32)
-    w0, w1, w2, w3 = philox4x32(group.to(tl.uint32), (group >> 32).to(tl.uint32), zero, zero, k0, k1)
+    w0, w1, w2, w3 = group_words(chunk[:, None] * LANE_STRIDE + tl.arange(0, LANE_STRIDE)[None, :], k0, k1)
     run = tl.arange(0, 4)[None, :, None]
     word = tl.where(run == 0, w0[:, None, :],
                     tl.where(run == 1, w1[:, None, :], tl.where(run == 2, w2[:, None, :], w3[:, None, :])))
     return tl.reshape(tl.where(word >= threshold, scale, 0.0), [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def element_keep_factor(index, k0, k1, threshold, scale):
+    """The dropout factors of the elements at flat indices ``index`` (int64 tensor, any shape): each element
+    draws its chunk's four words and keeps its run's (four times the Philox work of ``chunks_keep_factor``,
+    for tiles that do not cover whole chunks)."""
+    group = (index // (4 * LANE_STRIDE)) * LANE_STRIDE + index % LANE_STRIDE
+    run = (index // LANE_STRIDE) % 4
+    w0, w1, w2, w3 = group_words(group, k0, k1)
+    word = tl.where(run == 0, w0, tl.where(run == 1, w1, tl.where(run == 2, w2, w3)))
+    return tl.where(word >= threshold, scale, 0.0)

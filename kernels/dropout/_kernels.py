@@ -24,7 +24,7 @@ Limits: 64-bit offsets, so any element count works.
 import triton
 import triton.language as tl
 
-from kernels._common.philox import LANE_STRIDE, chunk_words, philox4x32, philox_key, scaled_where_kept
+from kernels._common.philox import LANE_STRIDE, chunk_words, group_words, philox_key, scaled_where_kept
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
@@ -64,15 +64,6 @@ def _dropout_fwd_kernel(
         tl.store(y_ptr + offs1, scaled_where_kept(x1, w1, thr, scale).to(out_ty), mask=offs1 < n)
         tl.store(y_ptr + offs2, scaled_where_kept(x2, w2, thr, scale).to(out_ty), mask=offs2 < n)
         tl.store(y_ptr + offs3, scaled_where_kept(x3, w3, thr, scale).to(out_ty), mask=offs3 < n)
-
-
-@triton.jit
-def _run_words(group, k0, k1):
-    """The four Philox words of the element-wise layout's groups ``group`` (int64 tensor, any shape): word ``w``
-    of group ``chunk * LANE_STRIDE + j`` decides element ``chunk * 4 * LANE_STRIDE + w * LANE_STRIDE + j``."""
-    group = group.to(tl.uint64)
-    zero = tl.zeros(group.shape, tl.uint32)
-    return philox4x32(group.to(tl.uint32), (group >> 32).to(tl.uint32), zero, zero, k0, k1)
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
@@ -137,7 +128,7 @@ def _dropout_rows_kernel(
         mask = base + w * LANE_STRIDE + lane < n
         xs += (tl.load(x_ptr + x_off, mask=mask, eviction_policy="evict_first"),)
         inside += (mask,)
-    words = _run_words(chunk * LANE_STRIDE + lane, k0, k1)
+    words = group_words(chunk * LANE_STRIDE + lane, k0, k1)
     for w in tl.static_range(4):
         tl.store(y_ptr + y_offs[w], scaled_where_kept(xs[w], words[w], thr, scale).to(out_ty), mask=inside[w])
 
@@ -167,7 +158,7 @@ def _dropout_columns_kernel(
     for w in tl.static_range(4):
         col = chunk_in_row * (4 * LANE_STRIDE) + w * LANE_STRIDE + lane
         xs += (tl.load(x_ptr + row + col * xs_c, mask=inside, eviction_policy="evict_first"),)
-    words = _run_words((row * (C // (4 * LANE_STRIDE)) + chunk_in_row) * LANE_STRIDE + lane, k0, k1)
+    words = group_words((row * (C // (4 * LANE_STRIDE)) + chunk_in_row) * LANE_STRIDE + lane, k0, k1)
     for w in tl.static_range(4):
         col = chunk_in_row * (4 * LANE_STRIDE) + w * LANE_STRIDE + lane
         tl.store(y_ptr + row + col * ys_c, scaled_where_kept(xs[w], words[w], thr, scale).to(out_ty), mask=inside)

@@ -11,11 +11,14 @@ Implements:
   into one of ``GROUP_SIZE_M`` fp32 buffers under a spin lock (``atomic_cas`` to take, ``atomic_xchg``
   on a first-write flag, a barrier, ``atomic_xchg`` to release). ``DETERMINISTIC`` gives each program
   its own buffer: no lock, and the fixed-order sum below makes dW/dB bitwise reproducible.
-- Wider rows cannot keep a partial row of dW in registers, so they take two lock-free kernels:
-  ``_layer_norm_bwd_row_terms_kernel`` streams each row once for ``mean(g)`` and ``mean(g * xhat)``;
-  ``_layer_norm_bwd_columns_kernel`` gives each program a column block and a group of rows, writes dx
-  and sums dW/dB for its columns in registers, one exclusive buffer per row group (deterministic in
-  both modes). It reads x and dy twice: 5 passes of M*N instead of 3.
+- Wider rows cannot keep a partial row of dW in registers, so ``_layer_norm_bwd_split_row_kernel``
+  splits each row between programs: a program owns a column block and a lane of row tiles, loads its
+  part of a tile once, stores its share of the row sums ``mean(g)`` and ``mean(g * xhat)``, waits until
+  every column block has stored its share (an arrival count per tile; all programs resident at once
+  through a cooperative launch), then writes dx and sums dW/dB for its columns in registers, one
+  exclusive buffer per lane (deterministic in both modes): 3 passes of M*N. The same kernel in two
+  launches (shares, then the rest) reads x and dy twice (5 passes): the interpreter's path and the fallback
+  when the grid cannot be resident at once. The fused residual + dropout + norm backward runs in it too.
 - ``_layer_norm_bwd_dwdb_kernel``: sums the buffers in buffer order into dW and dB, and zeroes the locked
   backward's first-write flags, so that the launcher can keep one lock buffer per stream instead of zeroing one
   per call.
@@ -45,6 +48,8 @@ import triton.language as tl
 from kernels._common.philox import (
     LANE_STRIDE,
     chunk_words,
+    chunks_keep_factor,
+    element_keep_factor,
     philox_key,
     scaled_where_kept,
     tile_keep_factor,
@@ -327,8 +332,17 @@ def _bwd_tile(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w, rows, rows64, row_mask, cols
               stride_dy_row, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """One (rows x cols) tile of the backward in fp32: ``dy``, ``xhat`` (0 outside the tile), ``g = dy * w``
     and the rows' ``rstd``. ``w`` is the columns' weight in fp32 (ignored without HAS_WEIGHT)."""
-    x = tl.load(x_ptr + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    return _bwd_tile_values(x, dy, mean_ptr, rstd_ptr, w, rows, row_mask, mask, IS_RMS, HAS_WEIGHT)
+
+
+@triton.jit
+def _bwd_tile_values(x, dy, mean_ptr, rstd_ptr, w, rows, row_mask, mask, IS_RMS: tl.constexpr,
+                     HAS_WEIGHT: tl.constexpr):
+    """:func:`_bwd_tile` on a tile's x and dy as loaded (any float dtype)."""
+    x = x.to(tl.float32)
+    dy = dy.to(tl.float32)
     rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
     if IS_RMS:
         xhat = x * rstd[:, None]
@@ -447,105 +461,179 @@ def _layer_norm_bwd_kernel(
 
 
 @triton.jit
-def _layer_norm_bwd_row_terms_kernel(
-    x_ptr,  # (M, N) forward input
-    dy_ptr,  # (M, N) upstream gradient
-    w_ptr,  # (N,) weight or dummy
-    mean_ptr,  # (M,) fp32 (unused for RMSNorm)
-    rstd_ptr,  # (M,) fp32
-    c1_ptr,  # (M,) fp32 out: mean over the row of g = dy * w
-    c2_ptr,  # (M,) fp32 out: mean over the row of g * xhat
-    M,
-    N,
-    stride_x_row,
-    stride_dy_row,
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Wide rows, step 1: the two row reductions dx needs, streamed over chunks of the row."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
+def _split_row_load(x_ptr, dy_ptr, tile, M, N, stride_x_row, stride_dy_row, cols, col_mask, BLOCK_M: tl.constexpr):
+    """Row tile ``tile``'s part of x and dy, as stored (16-bit values take half the registers of fp32 while
+    the tile waits), masked past M (a tile past the last loads nothing)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-    mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if not IS_RMS:
-        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-    cols = tl.arange(0, BLOCK_N)
-    c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        c = start + cols
-        mask = row_mask[:, None] & (c[None, :] < N)
-        x = tl.load(x_ptr + rows64 * stride_x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(dy_ptr + rows64 * stride_dy_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
-            g = g * tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)[None, :]
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        c1 += tl.sum(g, axis=1)
-        c2 += tl.sum(g * xhat, axis=1)
-    tl.store(c1_ptr + rows, tl.div_rn(c1, N * 1.0), mask=row_mask)
-    tl.store(c2_ptr + rows, tl.div_rn(c2, N * 1.0), mask=row_mask)
+    x = tl.load(x_ptr + rows64 * stride_x_row + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows64 * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    return x, dy
 
 
 @triton.jit
-def _layer_norm_bwd_columns_kernel(
-    x_ptr,  # (M, N) forward input
-    dy_ptr,  # (M, N) upstream gradient
-    dx_ptr,  # (M, N) output gradient
+def _split_row_publish(x, dy, tile, block, w, mean_ptr, rstd_ptr, terms_ptr, arrivals_ptr, M, col_mask,
+                       IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       COL_BLOCKS: tl.constexpr, ARRIVE: tl.constexpr):
+    """Store this column block's share of the tile's row sums of ``g`` and ``g * xhat``; with ``ARRIVE``, count
+    the block in the tile's arrivals once every thread's stores are done (release: the shares are visible to
+    whoever acquires the count)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    mask = row_mask[:, None] & col_mask[None, :]
+    _, xhat, g, _ = _bwd_tile_values(x, dy, mean_ptr, rstd_ptr, w, rows, row_mask, mask, IS_RMS, HAS_WEIGHT)
+    term_ptrs = terms_ptr + rows * COL_BLOCKS + block
+    tl.store(term_ptrs, tl.sum(g, axis=1), mask=row_mask)
+    tl.store(term_ptrs + M * COL_BLOCKS, tl.sum(g * xhat, axis=1), mask=row_mask)
+    if ARRIVE:
+        tl.debug_barrier()
+        tl.atomic_add(arrivals_ptr + tile, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _split_row_finish(x, dy, tile, block, w, dw_acc, db_acc, dx_ptr, mean_ptr, rstd_ptr, terms_ptr, arrivals_ptr,
+                      dres_ptr, dr_ptr, k0, k1, threshold, scale, M, N, stride_dx_row, cols, col_mask,
+                      IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, COL_BLOCKS: tl.constexpr, SHARES: tl.constexpr, WAIT: tl.constexpr,
+                      HAS_DRES: tl.constexpr, STORE_DR: tl.constexpr, DROPOUT: tl.constexpr,
+                      CHUNK_COLUMNS: tl.constexpr):
+    """With every block's share of the tile's row sums stored (``WAIT``: acquire the arrival count until all
+    have come), sum them in block order, write the tile's dx (and the fused op's extras) and add its dW/dB
+    terms to ``dw_acc``/``db_acc``, which are returned."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    dy, xhat, g, rstd = _bwd_tile_values(x, dy, mean_ptr, rstd_ptr, w, rows, row_mask, mask, IS_RMS, HAS_WEIGHT)
+    if HAS_WEIGHT:
+        dw_acc += tl.sum(dy * xhat, axis=0)
+    if NEED_DB:
+        db_acc += tl.sum(dy, axis=0)
+    if WAIT:
+        while tl.atomic_add(arrivals_ptr + tile, 0, sem="acquire", scope="gpu") < COL_BLOCKS:
+            pass
+    share = tl.arange(0, SHARES)[None, :]
+    shares = terms_ptr + rows[:, None] * COL_BLOCKS + share
+    share_mask = row_mask[:, None] & (share < COL_BLOCKS)
+    # .cg: the other programs' shares, from L2 (never a stale L1 line)
+    c1 = tl.div_rn(tl.sum(tl.load(shares, mask=share_mask, other=0.0, cache_modifier=".cg"), axis=1), N * 1.0)
+    c2 = tl.div_rn(tl.sum(tl.load(shares + M * COL_BLOCKS, mask=share_mask, other=0.0, cache_modifier=".cg"),
+                          axis=1), N * 1.0)
+    dx = _dx_from_row_terms(g, xhat, rstd, c1, c2, IS_RMS)
+    flat = rows64 * N + cols[None, :]
+    if HAS_DRES:
+        dx += tl.load(dres_ptr + flat, mask=mask, other=0.0).to(tl.float32)
+    if STORE_DR:
+        tl.store(dr_ptr + flat, dx.to(dr_ptr.dtype.element_ty), mask=mask)
+    if DROPOUT:
+        if CHUNK_COLUMNS:
+            factor = chunks_keep_factor(rows.to(tl.int64) * COL_BLOCKS + block, k0, k1, threshold, scale, BLOCK_M,
+                                        BLOCK_N)
+        else:
+            factor = element_keep_factor(flat, k0, k1, threshold, scale)
+        dx = times_factor(dx.to(dx_ptr.dtype.element_ty), factor)
+    tl.store(dx_ptr + rows64 * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    return dw_acc, db_acc
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
+def _layer_norm_bwd_split_row_kernel(
+    x_ptr,  # (M, N) forward input, row stride stride_x_row
+    dy_ptr,  # (M, N) upstream gradient, row stride stride_dy_row
+    dx_ptr,  # (M, N) output gradient, row stride stride_dx_row
     w_ptr,  # (N,) weight or dummy
     mean_ptr,  # (M,) fp32 (unused for RMSNorm)
     rstd_ptr,  # (M,) fp32
-    c1_ptr,  # (M,) fp32 from the row-terms kernel
-    c2_ptr,  # (M,) fp32
-    partial_ptr,  # (row_groups, 2, N) fp32: one exclusive slot per row group
+    terms_ptr,  # (2, M, COL_BLOCKS) fp32: each row's sum of g and of g * xhat over each column block
+    arrivals_ptr,  # (row tiles,) int32, zero on entry: column blocks done with each tile's terms (PHASE 0)
+    partial_ptr,  # (lanes, 2, N) fp32: one exclusive dW/dB slot per lane of row tiles
     M,
     N,
     stride_x_row,
     stride_dy_row,
     stride_dx_row,
-    rows_per_program,
+    # The fused residual + dropout + norm backward, as in _layer_norm_bwd_kernel (dx, dres, dr contiguous):
+    dres_ptr,
+    dr_ptr,
+    seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, scale,
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     NEED_DB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    COL_BLOCKS: tl.constexpr,  # cdiv(N, BLOCK_N), the grid's first axis
+    SHARES: tl.constexpr,  # COL_BLOCKS rounded up to a power of two
+    PHASE: tl.constexpr,  # 0: one launch, shares exchanged between programs; 1: shares only; 2: the rest
+    HAS_DRES: tl.constexpr = False,
+    STORE_DR: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False,
+    CHUNK_COLUMNS: tl.constexpr = False,  # each row of a column block is one whole dropout chunk
 ):
-    """Wide rows, step 2: program (column block, row group) writes dx for its tile and sums dW/dB for its
-    columns over its rows in registers; one plain store per program (no lock: the slot is its own)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Wide rows: program (column block, lane) takes row tiles ``lane, lane + lanes, ...`` of its columns.
+
+    ``PHASE`` 0: each tile's share of the row sums is published (stores, then an arrival count per tile) an
+    iteration before the tile is finished. Iteration ``t`` issues the loads of tile ``t + lanes``, finishes
+    tile ``t`` (waits for its count, adds the shares, writes dx with the fused op's extras, sums dW/dB for
+    its columns in registers) while they are in flight, then publishes tile ``t + lanes``.
+    x and dy are read once: 3 passes of M * N. Every program must be resident at once (the launcher uses a
+    cooperative launch). ``PHASE`` 1 then 2: the same work in two launches without waiting, x and dy read
+    twice (5 passes): the interpreter's path (it runs one program at a time) and the fallback when the
+    programs cannot all be resident."""
+    block = tl.program_id(0)
+    lane = tl.program_id(1)
+    lanes = tl.num_programs(1)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    row_start = tl.program_id(1) * rows_per_program
-    row_end = row_start + rows_per_program
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     else:
         w = tl.zeros([BLOCK_N], dtype=tl.float32)  # never read
-    # Accumulate a whole tile per row slot and reduce over rows once at the end: a tl.sum(axis=0) per
-    # iteration would cross warps (shared memory and a barrier) on every tile.
-    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r0 in range(row_start, row_end, BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        row_mask = (rows < row_end) & (rows < M)
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)[:, None]
-        dy, xhat, g, rstd = _bwd_tile(x_ptr, dy_ptr, mean_ptr, rstd_ptr, w, rows, rows64, row_mask, cols, mask,
-                                      stride_x_row, stride_dy_row, IS_RMS, HAS_WEIGHT)
-        c1 = tl.load(c1_ptr + rows, mask=row_mask, other=0.0)
-        c2 = tl.load(c2_ptr + rows, mask=row_mask, other=0.0)
-        dx = _dx_from_row_terms(g, xhat, rstd, c1, c2, IS_RMS)
-        tl.store(dx_ptr + rows64 * stride_dx_row + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    # Rows of a tile lie in one thread (warps split the columns), so the sums over rows stay in registers.
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k0 = tl.cast(0, tl.uint32)  # unused without DROPOUT
+    k1 = tl.cast(0, tl.uint32)
+    if DROPOUT:
+        k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
+    thr = tl.cast(threshold, tl.uint32)
+    scale = tl.cast(scale, tl.float32)
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    if PHASE == 0:
+        x, dy = _split_row_load(x_ptr, dy_ptr, lane, M, N, stride_x_row, stride_dy_row, cols, col_mask, BLOCK_M)
+        if lane < row_tiles:
+            _split_row_publish(x, dy, lane, block, w, mean_ptr, rstd_ptr, terms_ptr, arrivals_ptr, M, col_mask,
+                               IS_RMS, HAS_WEIGHT, BLOCK_M, COL_BLOCKS, True)
+        for tile in range(lane, row_tiles, lanes):
+            # The next tile's loads go out first and are consumed last: in flight while this tile finishes.
+            ahead = tile + lanes
+            x_ahead, dy_ahead = _split_row_load(x_ptr, dy_ptr, ahead, M, N, stride_x_row, stride_dy_row, cols,
+                                                col_mask, BLOCK_M)
+            dw_acc, db_acc = _split_row_finish(
+                x, dy, tile, block, w, dw_acc, db_acc, dx_ptr, mean_ptr, rstd_ptr, terms_ptr, arrivals_ptr, dres_ptr,
+                dr_ptr, k0, k1, thr, scale, M, N, stride_dx_row, cols, col_mask, IS_RMS, HAS_WEIGHT, NEED_DB,
+                BLOCK_M, BLOCK_N, COL_BLOCKS, SHARES, True, HAS_DRES, STORE_DR, DROPOUT, CHUNK_COLUMNS)
+            if ahead < row_tiles:
+                _split_row_publish(x_ahead, dy_ahead, ahead, block, w, mean_ptr, rstd_ptr, terms_ptr, arrivals_ptr,
+                                   M, col_mask, IS_RMS, HAS_WEIGHT, BLOCK_M, COL_BLOCKS, True)
+            x, dy = x_ahead, dy_ahead
+    else:
+        for tile in range(lane, row_tiles, lanes):
+            x, dy = _split_row_load(x_ptr, dy_ptr, tile, M, N, stride_x_row, stride_dy_row, cols, col_mask, BLOCK_M)
+            if PHASE == 1:
+                _split_row_publish(x, dy, tile, block, w, mean_ptr, rstd_ptr, terms_ptr, arrivals_ptr, M, col_mask,
+                                   IS_RMS, HAS_WEIGHT, BLOCK_M, COL_BLOCKS, False)
+            else:
+                dw_acc, db_acc = _split_row_finish(
+                    x, dy, tile, block, w, dw_acc, db_acc, dx_ptr, mean_ptr, rstd_ptr, terms_ptr, arrivals_ptr,
+                    dres_ptr, dr_ptr, k0, k1, thr, scale, M, N, stride_dx_row, cols, col_mask, IS_RMS, HAS_WEIGHT,
+                    NEED_DB, BLOCK_M, BLOCK_N, COL_BLOCKS, SHARES, False, HAS_DRES, STORE_DR, DROPOUT, CHUNK_COLUMNS)
+    if PHASE != 1:
+        slot = partial_ptr + lane.to(tl.int64) * 2 * N + cols
         if HAS_WEIGHT:
-            dw_acc += dy * xhat
+            tl.store(slot, dw_acc, mask=col_mask)
         if NEED_DB:
-            db_acc += dy
-    slot = partial_ptr + tl.program_id(1).to(tl.int64) * 2 * N + cols
-    if HAS_WEIGHT:
-        tl.store(slot, tl.sum(dw_acc, axis=0), mask=col_mask)
-    if NEED_DB:
-        tl.store(slot + N, tl.sum(db_acc, axis=0), mask=col_mask)
+            tl.store(slot + N, db_acc, mask=col_mask)
 
 
 @triton.jit

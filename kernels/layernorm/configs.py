@@ -12,8 +12,9 @@ decision with its reason. The measurements behind them are in the family's ``TUN
   ``min(row tiles, programs_per_sm * SMs)`` programs, each owning a contiguous range of rows and adding
   its partial dW/dB once into one of ``min(programs, max_group_size_m)`` fp32 buffers under a lock (one
   buffer per program with ``deterministic=True``); a second kernel sums the buffers.
-- **backward, wider rows**: a row-terms kernel, then programs over (``wide_columns``-column block, row
-  group), about ``programs_per_sm * SMs`` in all, each writing its own buffer (lock-free, deterministic).
+- **backward, wider rows**: programs over (``wide_columns``-column block, lane of ``wide_rows``-row tiles),
+  at most ``programs_per_sm * SMs`` in all so that all are resident at once; they exchange the row sums
+  through memory and each lane writes its own buffer (lock-free, deterministic).
 - **residual + dropout + norm forward**: when ``n`` is a power of two and a tile of about
   ``add_dropout_norm_row_tile`` elements is whole dropout chunks (4096 elements), one pass over the tile
   with the mask drawn in its layout (``CHUNK_TILE``); otherwise a flat dropout pass and a norm pass over
@@ -38,6 +39,7 @@ from kernels._common.launch import cdiv, forget_recorded_launches, l2_cache_byte
 from reference.dropout import LANE_STRIDE
 
 DROPOUT_CHUNK = 4 * LANE_STRIDE  # elements per Philox chunk of the dropout layout
+REGISTERS_PER_SM = 65536  # 32-bit registers of one SM (every NVIDIA GPU from sm_50 to sm_90)
 
 
 def next_pow2(n: int) -> int:
@@ -79,8 +81,14 @@ class Settings:
     bwd_loop_stages: int = 3  # pipelining of the row loop: 52-62% -> 81-88% of copy for N <= 8192
     programs_per_sm: int = 2  # two programs per SM hide each other's reduction and lock waits
     max_group_size_m: int = 64  # lock mode: partial-dW/dB buffers (about four programs per lock on 132 SMs)
-    wide_columns: int = 1024  # wide backward: columns per program
+    # Wide backward: a column block of one dropout chunk's width (the fused op's mask drawn in its layout),
+    # one row per tile: x, dy, w and the dW/dB sums of 16 columns per thread fit 128 registers, two programs
+    # per SM.
+    wide_columns: int = 4096
+    wide_rows: int = 1
     wide_warps: int = 8
+    wide_programs_per_sm: int = 2  # registers capped so that this many are resident per SM (the grid's size)
+    wide_exchange: bool = True  # one launch exchanging the row sums (False: two launches, x and dy read twice)
     dwdb_block_n: int = 64  # columns per program of the final dW/dB sum
 
 
@@ -238,22 +246,20 @@ def backward_grid(m: int, cfg: dict, sms: int, deterministic: bool) -> tuple[int
     return programs, rows_per_program, slots
 
 
-def row_terms() -> dict:
-    """Launch parameters of the wide backward's row-terms kernel (one program per row, chunked)."""
-    return {"BLOCK_M": 1, "BLOCK_N": _active.chunk, "num_warps": _active.wide_warps}
-
-
-def wide_backward(m: int, n: int, sms: int) -> tuple[int, int, int, dict]:
-    """``(column blocks, row groups, rows per program, launch parameters)`` of the wide backward; each row
-    group writes its own partial buffer."""
+def wide_backward(m: int, n: int, sms: int) -> tuple[int, int, bool, dict]:
+    """``(column blocks, lanes, exchange, launch parameters)`` of the wide (split-row) backward: a grid of
+    column blocks x lanes of row tiles, each lane writing its own partial buffer. ``exchange``: the one-launch
+    form, whose programs wait for each other and so must all be resident at once (at most ``programs_per_sm``
+    per SM; the kernel's registers are sized for that); otherwise two launches."""
     s = _active
     col_blocks = cdiv(n, s.wide_columns)
-    block_m = max(1, s.bwd_tile // s.wide_columns)
-    row_groups = max(1, min(cdiv(m, block_m), cdiv(s.programs_per_sm * sms, col_blocks)))
-    rows_per_program = cdiv(cdiv(m, row_groups), block_m) * block_m
-    row_groups = cdiv(m, rows_per_program)
-    return col_blocks, row_groups, rows_per_program, {"BLOCK_M": block_m, "BLOCK_N": s.wide_columns,
-                                                      "num_warps": s.wide_warps}
+    capacity = s.wide_programs_per_sm * sms
+    lanes = max(1, min(cdiv(m, s.wide_rows), capacity // col_blocks))
+    exchange = s.wide_exchange and col_blocks <= capacity
+    max_registers = min(255, REGISTERS_PER_SM // (s.wide_programs_per_sm * s.wide_warps * 32)) // 8 * 8
+    return col_blocks, lanes, exchange, {"BLOCK_M": s.wide_rows, "BLOCK_N": s.wide_columns,
+                                         "COL_BLOCKS": col_blocks, "SHARES": next_pow2(col_blocks),
+                                         "num_warps": s.wide_warps, "maxnreg": max_registers}
 
 
 def dwdb(n: int, slots: int) -> dict:
@@ -279,7 +285,9 @@ def table(m: int = 4096, sms: int = 132, l2_bytes: int = 50 * 2**20, elt_size: i
                 bwd = (f"({b['BLOCK_M']}, {b['BLOCK_N']}, {b['num_warps']}w) x {programs}, {per_program} rows each, "
                        f"{slots} locked buffers")
             else:
-                cols, groups, per_program, w = wide_backward(rows, n, sms)
-                bwd = f"wide: {cols} column blocks x {groups} row groups of {per_program} rows, {w['num_warps']}w"
+                cols, lanes, exchange, w = wide_backward(rows, n, sms)
+                bwd = (f"wide: {cols} column blocks x {lanes} lanes of {w['BLOCK_M']}-row tiles, {w['num_warps']}w, "
+                       f"{w['maxnreg']} registers"
+                       + ("" if exchange else ", two launches"))
             lines.append(f"{rows:>7} {n:>6}  {fwd:<46} {bwd}")
     return "\n".join(lines)

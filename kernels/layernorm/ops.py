@@ -49,20 +49,19 @@ from kernels._common.launch import (
     replayed,
 )
 from kernels._common.launch import kernels_from as swap_kernels
+from kernels._common.runtime import INTERPRETER
 from kernels._common.seed import SEED_WORD_PARAMETERS, Seed
-from kernels.dropout.ops import _dropout_impl as dropout_impl
 from kernels.layernorm import configs
 from kernels.layernorm._kernels import (
     _add_dropout_norm_fwd_kernel,
-    _layer_norm_bwd_columns_kernel,
     _layer_norm_bwd_dwdb_kernel,
     _layer_norm_bwd_kernel,
-    _layer_norm_bwd_row_terms_kernel,
+    _layer_norm_bwd_split_row_kernel,
     _layer_norm_fwd_kernel,
 )
 
 _KERNEL_NAMES = ("_add_dropout_norm_fwd_kernel", "_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel",
-                 "_layer_norm_bwd_row_terms_kernel", "_layer_norm_bwd_columns_kernel", "_layer_norm_bwd_dwdb_kernel")
+                 "_layer_norm_bwd_split_row_kernel", "_layer_norm_bwd_dwdb_kernel")
 
 
 def kernels_from(module):
@@ -225,23 +224,30 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         launch_or_replay(_NORM_BACKWARD_CALLS, signature, tensors, launch, seed_words, SEED_WORD_PARAMETERS)
         return dx, dw, db
     else:
-        # Wide rows: row terms, then (column block, row group) programs with exclusive buffers.
-        w_arg = _or_unused(weight, x, traceable)
-        mean_arg = _or_unused(None if is_rms else mean, x, traceable)
-        c1 = torch.empty(m, device=x.device, dtype=torch.float32)
-        c2 = torch.empty(m, device=x.device, dtype=torch.float32)
-        kernel_for(_layer_norm_bwd_row_terms_kernel, traceable=traceable)[(m,)](
-            x, dy, w_arg, mean_arg, rstd, c1, c2, m, n, stride_x, stride_dy,
-            IS_RMS=is_rms, HAS_WEIGHT=need_dw, **configs.row_terms(),
-        )
-        col_blocks, row_groups, rows_per_program, wide_cfg = configs.wide_backward(m, n, sms)
-        slots = row_groups
+        # Wide rows: programs split each row by columns and exchange the row sums (see the kernel).
+        col_blocks, lanes, exchange, wide_cfg = configs.wide_backward(m, n, sms)
+        dres, dr, dropout_p, seed = fused or (None, None, 0.0, 0)
+        # Two launches under the interpreter (it runs one program at a time: no waiting) and with dropout,
+        # whose Philox work lengthens the wait between the programs more than a second read costs.
+        exchange = exchange and not INTERPRETER and dropout_p == 0
+        slots = lanes
         partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
-        kernel_for(_layer_norm_bwd_columns_kernel, traceable=traceable)[(col_blocks, row_groups)](
-            x, dy, dx, w_arg, mean_arg, rstd, c1, c2, _or_unused(partial, x, traceable), m, n,
-            stride_x, stride_dy, n, rows_per_program, IS_RMS=is_rms, HAS_WEIGHT=need_dw,
-            NEED_DB=need_db, **wide_cfg,
-        )
+        terms = torch.empty((2, m, col_blocks), device=x.device, dtype=torch.float32)
+        arrivals = torch.zeros(cdiv(m, wide_cfg["BLOCK_M"]), device=x.device, dtype=torch.int32) if exchange else None
+        args = (x, dy, dx, _or_unused(weight, x, traceable), _or_unused(None if is_rms else mean, x, traceable), rstd,
+                terms, _or_unused(arrivals, x, traceable), _or_unused(partial, x, traceable), m, n, stride_x,
+                stride_dy, n, _or_unused(dres, x, traceable), _or_unused(dr, x, traceable),
+                *_dropout_kernel_args(dropout_p, seed, x, traceable))
+        flags = dict(IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db, HAS_DRES=dres is not None,
+                     STORE_DR=dr is not None, DROPOUT=dropout_p > 0,
+                     CHUNK_COLUMNS=wide_cfg["BLOCK_N"] == configs.DROPOUT_CHUNK and n % configs.DROPOUT_CHUNK == 0,
+                     **wide_cfg)
+        kernel = kernel_for(_layer_norm_bwd_split_row_kernel, traceable=traceable)
+        if exchange:
+            kernel[(col_blocks, lanes)](*args, PHASE=0, launch_cooperative_grid=True, **flags)
+        else:
+            for phase in (1, 2):
+                kernel[(col_blocks, lanes)](*args, PHASE=phase, **flags)
     if need_partial:
         _launch_dwdb(partial, dw, db, need_dw, need_db, slots, n, x, traceable)
     return dx, dw, db
@@ -492,28 +498,17 @@ def _add_dropout_norm_bwd_impl(dy, dresidual_out, residual_out, weight, mean, rs
     """``(dx, dresidual, dw, db)``: ``dr = norm backward(dy) + dresidual_out`` in fp32, ``dresidual = dr`` in
     residual_out's dtype (None without a residual), ``dx = dropout(dr in x's dtype)`` with the forward's
     mask. ``dresidual_out`` may be None (residual_out unused downstream)."""
-    n = residual_out.shape[-1]
     if backend_for(residual_out) == "reference":
         dx, dresidual, dw, db = twin.add_dropout_norm_backward(
             dy, dresidual_out, residual_out, weight, kind="rms" if is_rms else "layer", eps=eps,
             dropout_p=dropout_p, seed=seeds.seed_value(seed) if dropout_p > 0 else None, x_dtype=x_dtype)
         return dx, dresidual if has_residual else None, dw, db
     dresidual_out = None if dresidual_out is None else dresidual_out.contiguous()
-    if configs.fused_backward(n):
-        dresidual = torch.empty_like(residual_out) if has_residual else None
-        fused = (dresidual_out, dresidual, dropout_p, seed)
-        dx, dw, db = _norm_bwd_impl(dy, residual_out, weight, mean, rstd, is_rms, need_db, deterministic,
-                                    grad_dtypes=grad_dtypes, dx_dtype=x_dtype, fused=fused, traceable=traceable)
-        return dx, dresidual, dw, db
-    # Wide rows: the norm's two-kernel backward in fp32, then the sum, the roundings and the dropout.
-    dr, dw, db = _norm_bwd_impl(dy, residual_out, weight, mean, rstd, is_rms, need_db, deterministic,
-                                grad_dtypes=grad_dtypes, dx_dtype=torch.float32, traceable=traceable)
-    if dresidual_out is not None:
-        dr = dr + dresidual_out.float()
-    dx = dr.to(x_dtype)
-    if dropout_p > 0:
-        dx = dropout_impl(dx, dropout_p, seed, traceable=traceable)
-    return dx, dr.to(residual_out.dtype) if has_residual else None, dw, db
+    dresidual = torch.empty_like(residual_out) if has_residual else None
+    fused = (dresidual_out, dresidual, dropout_p, seed)
+    dx, dw, db = _norm_bwd_impl(dy, residual_out, weight, mean, rstd, is_rms, need_db, deterministic,
+                                grad_dtypes=grad_dtypes, dx_dtype=x_dtype, fused=fused, traceable=traceable)
+    return dx, dresidual, dw, db
 
 
 class _AddDropoutNormFunction(torch.autograd.Function):
