@@ -13,7 +13,7 @@ decision with its reason. The measurements behind them are in the family's ``TUN
   its partial dW/dB once into one of ``min(programs, max_group_size_m)`` fp32 buffers under a lock (one
   buffer per program with ``deterministic=True``); a second kernel sums the buffers.
 - **backward, wider rows**: programs over (``wide_columns``-column block, lane of ``wide_rows``-row tiles),
-  at most ``programs_per_sm * SMs`` in all so that all are resident at once; they exchange the row sums
+  at most ``wide_programs_per_sm * SMs`` in all so that all are resident at once; they exchange the row sums
   through memory and each lane writes its own buffer (lock-free, deterministic).
 - **residual + dropout + norm forward**: when ``n`` is a power of two and a tile of about
   ``add_dropout_norm_row_tile`` elements is whole dropout chunks (4096 elements), one pass over the tile
@@ -249,8 +249,8 @@ def backward_grid(m: int, cfg: dict, sms: int, deterministic: bool) -> tuple[int
 def wide_backward(m: int, n: int, sms: int) -> tuple[int, int, bool, dict]:
     """``(column blocks, lanes, exchange, launch parameters)`` of the wide (split-row) backward: a grid of
     column blocks x lanes of row tiles, each lane writing its own partial buffer. ``exchange``: the one-launch
-    form, whose programs wait for each other and so must all be resident at once (at most ``programs_per_sm``
-    per SM; the kernel's registers are sized for that); otherwise two launches."""
+    form, whose programs wait for each other and so must all be resident at once (at most
+    ``wide_programs_per_sm`` per SM; the kernel's registers are sized for that); otherwise two launches."""
     s = _active
     col_blocks = cdiv(n, s.wide_columns)
     capacity = s.wide_programs_per_sm * sms

@@ -193,8 +193,8 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         return dx, dw, db
     sms = multiprocessor_count(x.device.index or 0)
     need_partial = need_dw or need_db
+    dres, dr, dropout_p, seed = fused or (None, None, 0.0, 0)
     if configs.fused_backward(n):
-        dres, dr, dropout_p, seed = fused or (None, None, 0.0, 0)
         dropout_on = dropout_p > 0
         cfg, programs, rows_per_program, slots = configs.fused_backward_plan(m, n, dropout_on, deterministic, sms)
         partial, locks = _backward_workspace(x.device, slots, n, need_partial, not deterministic and need_partial,
@@ -226,7 +226,6 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
     else:
         # Wide rows: programs split each row by columns and exchange the row sums (see the kernel).
         col_blocks, lanes, exchange, wide_cfg = configs.wide_backward(m, n, sms)
-        dres, dr, dropout_p, seed = fused or (None, None, 0.0, 0)
         # Two launches under the interpreter (it runs one program at a time: no waiting) and with dropout,
         # whose Philox work lengthens the wait between the programs more than a second read costs.
         exchange = exchange and not INTERPRETER and dropout_p == 0
