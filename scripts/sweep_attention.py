@@ -3,7 +3,7 @@
 benchmark's points (B * S = 16k tokens, H * D = 2048).
 
     python3 -m scripts.sweep_attention [--dtype float16] [--out sweep.jsonl] [--dims 64,128] [--seqs 1024,4096]
-        [--fwd-only] [--fwd-configs "128,64,8,3;64,64,4,3"] [--window 1024]
+        [--fwd-only] [--fwd-configs "128,64,8,3;64,64,4,3"] [--dkdv-configs ...] [--dq-configs ...] [--window 1024]
 
 For every point, times the public forward with each candidate forward tile, and the public backward (as
 two launches) with each candidate dK/dV tile and each dQ tile, the other kernels at their table tiles
@@ -77,6 +77,11 @@ def sdpa_times(q, k, v, causal, backend):
     return fwd_ms, bwd_ms
 
 
+def _configs(text: str, default: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """``"128,64,8,3;64,64,4,3"`` as tiles, or ``default`` when empty."""
+    return [tuple(int(x) for x in c.split(",")) for c in text.split(";")] if text else default
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float16")
@@ -86,14 +91,16 @@ def main() -> None:
     parser.add_argument("--fwd-only", action="store_true", help="sweep the forward kernel only (no backward, no cuDNN)")
     parser.add_argument("--fwd-configs", default="",
                         help='forward configs to sweep instead of FWD, e.g. "128,128,4,3;64,64,4,3"')
+    parser.add_argument("--dkdv-configs", default="", help="dK/dV configs to sweep instead of DKDV")
+    parser.add_argument("--dq-configs", default="", help="dQ configs to sweep instead of DQ")
     parser.add_argument("--window", type=int, default=-1,
                         help="causal sliding window: each query sees itself and this many keys before it "
                              "(only the causal points run); SDPA rows then show full causal attention")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    fwd_configs = FWD
-    if args.fwd_configs:
-        fwd_configs = [tuple(int(x) for x in c.split(",")) for c in args.fwd_configs.split(";")]
+    fwd_configs = _configs(args.fwd_configs, FWD)
+    dkdv_configs = _configs(args.dkdv_configs, DKDV)
+    dq_configs = _configs(args.dq_configs, DQ)
     from torch.nn.attention import SDPBackend
 
     print(torch.cuda.get_device_name(), torch.__version__, args.dtype)
@@ -123,8 +130,8 @@ def main() -> None:
                     def backward():
                         return torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
 
-                    dkdv = sweep("dkdv", "dkdv", DKDV, backward)
-                    dqr = sweep("dq", "dq", DQ, backward)
+                    dkdv = sweep("dkdv", "dkdv", dkdv_configs, backward)
+                    dqr = sweep("dq", "dq", dq_configs, backward)
                     flash = sdpa_times(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
                     cudnn = sdpa_times(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
 
