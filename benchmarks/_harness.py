@@ -255,6 +255,7 @@ def _metric(records: list[dict]) -> str:
 RATIO_PEERS: dict[str, tuple[str, ...]] = {
     "attention": ("sdpa-flash", "flex", "sdpa-cudnn"),
     "attention-varlen": ("sdpa-flash-padded", "sdpa-cudnn-padded"),
+    "attention-decode": ("sdpa", "flex"),
     "model": ("torch",),
 }
 

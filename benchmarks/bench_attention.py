@@ -3,6 +3,7 @@
 (the family's target table): B * S = 16k tokens, H * D = 2048, D in {64, 128}, S in {1024, 4096, 16384}, causal on/off,
 fp16 and bf16; the providers of a point run in alternating rounds (``measure_interleaved``). Beside it:
 ``attention-shapes`` (shapes outside that grid: head dims 96 and 256, GQA, (B, S, H, D) views, Sq != Sk),
+``attention-decode`` (one query per sequence against a KV cache, contiguous and paged; GB/s of K/V read),
 windows, packed batches and dropout. Every table has a column for ours against SDPA's cuDNN backend where
 cuDNN can run the point (what ``F.scaled_dot_product_attention`` picks on Hopper).
 
@@ -17,7 +18,7 @@ import os
 import pytest
 import torch
 
-from benchmarks._harness import SMOKE
+from benchmarks._harness import SMOKE, graph_ms
 from benchmarks._peers import sdpa_attention
 from kernels._mode import DEVICE
 from kernels.attention import flash_attention, flash_attention_varlen
@@ -242,3 +243,100 @@ def test_attention_dropout(measure, provider, b, h, s, d, dtype, direction):
     run, grad_to_none, flops = _runner(fn, q, k, v, direction, flops)
     measure(run, grad_to_none=grad_to_none, family="attention-dropout", provider=provider, direction=direction,
             dtype=dtype, shape={"B": b, "H": h, "S": s, "D": d, "p": 0.1}, x_key="D", flops=flops)
+
+
+#: (B, Hq, Hkv, Sk, D) of the decode table: one query per sequence (Sq = 1) against Sk cached keys
+DECODE_POINTS = [
+    (1, 32, 8, 8192, 128), (1, 32, 8, 32768, 128), (1, 32, 8, 131072, 128), (8, 32, 8, 32768, 128),
+    (32, 32, 8, 8192, 128), (64, 32, 8, 8192, 128), (64, 32, 8, 4096, 128), (1, 32, 8, 1024, 128),
+    (1, 32, 32, 32768, 128), (16, 32, 32, 8192, 128), (1, 32, 8, 32768, 64), (32, 32, 8, 8192, 64),
+]
+#: positions per page of the paged points (vLLM's default; each key row finds its page through the table)
+DECODE_PAGE = 16
+
+
+def _decode_call(provider: str, b: int, hq: int, hkv: int, sk: int, d: int, dtype, paged: bool):
+    """``(call, bytes)``: one decode step of ``provider`` on inputs of its own, and the bytes it reads (its cache).
+
+    Ours: split-KV, one K/V read per GQA group; paged: pages of ``DECODE_PAGE`` positions scattered over the pool
+    in random order. SDPA: flash or efficient (``_decode_sdpa_backend``) on K/V expanded to Hq heads beforehand,
+    as a cache stored that way. FlexAttention: its decoding kernel, native GQA. The peers read contiguous caches."""
+    from kernels.attention import flash_attention_with_kvcache
+
+    q = torch.randn(b, hq, 1, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, hkv, sk, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    if provider == "ours":
+        seqlens = torch.full((b,), sk, dtype=torch.int32, device=DEVICE)
+        table = None
+        if paged:
+            page = min(DECODE_PAGE, sk)
+            pages_per_seq = sk // page
+            order = torch.randperm(b * pages_per_seq, device=DEVICE)
+            table = order.view(b, pages_per_seq).to(torch.int32)
+            # page j of sequence i goes to slot order[i * pages_per_seq + j]
+            by_page = [t.view(b, hkv, pages_per_seq, page, d).transpose(1, 2).reshape(-1, hkv, page, d)
+                       for t in (k, v)]
+            k, v = (torch.empty_like(p).index_copy_(0, order, p) for p in by_page)
+        return functools.partial(flash_attention_with_kvcache, q, k, v, seqlens, block_table=table), 2 * k.nbytes
+    if provider == "flex":
+        return functools.partial(_flex_decode(), q, k, v, enable_gqa=True), 2 * k.nbytes
+    k, v = (t.repeat_interleave(hq // hkv, 1) for t in (k, v))
+    return functools.partial(sdpa_attention(_decode_sdpa_backend(q, k, v), False), q, k, v), 2 * k.nbytes
+
+
+@functools.cache
+def _flex_decode():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _decode_sdpa_backend(q, k, v) -> str:
+    """The faster of SDPA's flash and efficient backends on these inputs (pytest.skip when neither runs)."""
+    from benchmarks._harness import time_ms
+
+    best = None
+    for backend in ("sdpa-flash", "sdpa-efficient"):
+        try:
+            ms = time_ms(functools.partial(sdpa_attention(backend, False), q, k, v))
+        except RuntimeError:
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, backend)
+    if best is None:
+        pytest.skip("no SDPA backend takes this decode point")
+    return best[1]
+
+
+@pytest.mark.parametrize("timing", ["host", "device"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize(("b", "hq", "hkv", "sk", "d"), [(2, 4, 2, 64, 16)] if SMOKE else DECODE_POINTS, ids=str)
+def test_attention_decode(measure_interleaved, recorder, b, hq, hkv, sk, d, paged, timing):
+    """One decode step (Sq = 1, every sequence holding Sk keys, nothing appended) of each provider
+    (``_decode_call``). GB/s count the K/V bytes of the Hkv-head cache, which every provider must read once; the
+    fraction is of copy bandwidth. ``timing``: "host", CUDA events around calls issued from Python (a call's host
+    work counts where it is longer than the kernels, as in an eager decode loop); "device", CUDA-graph replay with
+    the inputs cycled past L2 (``benchmarks._harness.graph_ms``), as a server that captures its decode step runs it."""
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    kv_bytes = 2 * b * hkv * sk * d * torch.finfo(dtype).bits // 8
+    fields = {"family": "attention-decode", "direction": "fwd", "dtype": dtype, "x_key": "Sk",
+              "bytes_moved": kv_bytes,
+              "shape": {"timing": timing, "B": b, "Hq": hq, "Hkv": hkv, "Sk": sk, "D": d, "paged": paged}}
+    calls = {}
+    for provider in ("ours",) if SMOKE else ("ours", "sdpa", "flex"):
+        try:
+            call, touched = _decode_call(provider, b, hq, hkv, sk, d, dtype, paged)
+            call()
+        except pytest.skip.Exception:
+            continue
+        except (RuntimeError, ValueError) as err:  # a peer that refuses this point
+            print(f"{provider} cannot run this point: {str(err).splitlines()[0][:120]}")
+            continue
+        calls[provider] = (call, touched)
+    if timing == "host":
+        measure_interleaved({p: (call, None) for p, (call, _) in calls.items()}, rounds=ROUNDS, **fields)
+        return
+    for provider, (call, touched) in calls.items():
+        del call  # graph_ms builds its own instances, enough of them to cycle past L2
+        make = functools.partial(lambda p: _decode_call(p, b, hq, hkv, sk, d, dtype, paged)[0], provider)
+        recorder.add(ms=graph_ms(make, touched_bytes=touched), provider=provider, **fields)

@@ -343,7 +343,7 @@ def _write_cache(cache: torch.Tensor, b: int, block_table, start: int, new: torc
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=True,
-                           softmax_scale=None, window_size=(-1, -1)):
+                           softmax_scale=None, window_size=(-1, -1), return_lse=False):
     """Attention of new queries against a KV cache (forward only), written the plain way: append, gather,
     attend.
 
@@ -353,11 +353,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     positions ``cache_seqlens[b] ...`` in place (the caller advances ``cache_seqlens``). Then sequence ``b``'s
     queries attend to its ``cache_seqlens[b] + Sq_new`` keys with :func:`attention`'s masks: queries align
     bottom-right, so with ``causal`` query ``i`` of ``Sq`` sees keys up to ``i + L - Sq`` where ``L`` is that
-    sequence's key count. A sequence with no key gets zeros."""
+    sequence's key count. A sequence with no key gets zeros. ``return_lse`` adds the natural-log log-sum-exp of
+    each query's visible scores, (B, Hq, Sq) in the compute dtype (-inf where no key is visible)."""
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     new = 0 if k is None else k.shape[2]
     out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=_compute_dtype(q), device=q.device)
     for b in range(q.shape[0]):
         start = int(cache_seqlens[b])
         if k is not None:
@@ -368,4 +370,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
         values = _cache_rows(v_cache, b, block_table, length)[None]
         out[b] = attention(q[b:b + 1], keys, values, causal=causal, softmax_scale=softmax_scale,
                            window_size=window_size)[0]
-    return out
+        if return_lse:
+            scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+            group = q.shape[1] // max(keys.shape[1], 1)
+            scores = torch.matmul(q[b].to(lse.dtype), _expand_kv(keys, group)[0].to(lse.dtype).transpose(-1, -2))
+            seen = visible(q.shape[2], length, causal=causal, window_size=window_size, device=q.device)
+            lse[b] = torch.logsumexp((scores * scale).masked_fill(~seen, float("-inf")), dim=-1)
+    return (out, lse) if return_lse else out

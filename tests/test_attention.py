@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import reference.attention as twin
 from kernels._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
 from kernels.attention import configs, flash_attention, flash_attention_varlen
+from tests._caches import paged_cache
 from tests._numerics import assert_no_worse_than_torch
 
 F64 = torch.float64
@@ -161,21 +162,6 @@ def _kvcache_inputs(hq, hkv, sq, seqlens, *, s_max=40, d=16, seed=3):
     return q, k_cache, v_cache, torch.tensor(seqlens, dtype=torch.int32), k_new, v_new
 
 
-def _paged(cache, block_size, order):
-    """The contiguous (B, Hkv, S_max, D) cache cut into pages of ``block_size`` stored in the shuffled slots
-    ``order``; returns ``(pages, block_table)``."""
-    b, hkv, s_max, d = cache.shape
-    per_seq = s_max // block_size
-    pages = torch.full((b * per_seq, hkv, block_size, d), float("nan"), dtype=cache.dtype)
-    table = torch.empty(b, per_seq, dtype=torch.int32)
-    for i in range(b):
-        for j in range(per_seq):
-            slot = order[i * per_seq + j]
-            pages[slot] = cache[i, :, j * block_size:(j + 1) * block_size]
-            table[i, j] = slot
-    return pages, table
-
-
 @pytest.mark.parametrize(("hq", "hkv", "sq", "seqlens", "causal", "window"), KVCACHE_CASES, ids=str)
 def test_twin_kvcache_appends_in_place_and_attends_like_sdpa(hq, hkv, sq, seqlens, causal, window):
     q, k_cache, v_cache, cache_seqlens, k_new, v_new = _kvcache_inputs(hq, hkv, sq, seqlens)
@@ -199,8 +185,8 @@ def test_twin_kvcache_paged_equals_contiguous(block_size):
     hq, hkv, sq, seqlens = 4, 2, 3, [0, 13, 29]
     q, k_cache, v_cache, cache_seqlens, k_new, v_new = _kvcache_inputs(hq, hkv, sq, seqlens)
     order = torch.randperm(len(seqlens) * 40 // block_size, generator=torch.Generator().manual_seed(1)).tolist()
-    k_pages, table = _paged(k_cache, block_size, order)
-    v_pages, _ = _paged(v_cache, block_size, order)
+    k_pages, table = paged_cache(k_cache, block_size, order)
+    v_pages, _ = paged_cache(v_cache, block_size, order)
     paged = twin.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens, k=k_new, v=v_new, block_table=table)
     contiguous = twin.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k_new, v=v_new)
     torch.testing.assert_close(paged, contiguous, rtol=0, atol=0)

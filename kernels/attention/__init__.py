@@ -1,6 +1,8 @@
 """FlashAttention-2 forward and backward: ``flash_attention`` for (B, H, S, D) batches and
-``flash_attention_varlen`` for packed variable-length ones; causal, sliding windows, GQA and dropout."""
+``flash_attention_varlen`` for packed variable-length ones; causal, sliding windows, GQA and dropout.
+``flash_attention_with_kvcache``: inference against a KV cache (contiguous or paged), split-KV decoding."""
 
+from kernels.attention.kvcache import flash_attention_with_kvcache
 from kernels.attention.ops import flash_attention, flash_attention_varlen
 
-__all__ = ["flash_attention", "flash_attention_varlen"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._common.launch import forget_recorded_launches
+from kernels._common.launch import cdiv, forget_recorded_launches
 
 #: Head dims are padded to a power of two of at least 16; the kernels take up to 1024.
 MAX_HEAD_DIM = 1024
@@ -350,6 +350,69 @@ def fuse_backward(dkdv_cfg: dict, dq_cfg: dict) -> bool:
 def preprocess_block_m(bd: int) -> int:
     """Rows per program of the backward's ``delta = rowsum(dO * O)``: about 8192 elements per tile."""
     return max(16, min(128, 8192 // bd))
+
+
+# --- decoding against a KV cache (kernels/attention/_decode.py) -----------------------------------------------
+
+#: programs the split-KV kernel aims for per SM: one, each streaming its chunk of keys through a pipelined loop;
+#: the split count rounds down, so that the programs fit one wave (a second, partial wave doubles the time)
+DECODE_PROGRAMS_PER_SM = 1
+#: a split covers at least this many key blocks of the cache's capacity, so that its query load and partial
+#: results stay small beside its share of K and V
+DECODE_MIN_BLOCKS_PER_SPLIT = 4
+DECODE_MAX_SPLITS = 128
+
+
+class DecodePlan(NamedTuple):
+    block_m: int  # rows per program: queries of the GQA group's heads, (head, query) packed
+    block_n: int  # keys per block
+    num_warps: int
+    num_stages: int
+    splits: int  # key splits per (batch, key/value head); 1: no combine kernel
+
+
+def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int,
+                 multiprocessors: int) -> DecodePlan:
+    bd = block_d(d)
+    row_tile = min(64, block_d(rows))
+    key_bytes = bd * (4 if dtype == torch.float32 else 2)
+    # 32 KiB per K (and V) block: 128 keys at D 128 in 16 bits, fewer for wider rows
+    key_tile = max(16, min(128, 32768 // key_bytes))
+    # K and V blocks of each pipeline stage in shared memory: up to 3 stages within 192 KiB (128 from D 512 on, where
+    # the query tile takes shared memory too)
+    budget = (192 if bd <= 256 else 128) * 1024
+    stages = max(1, min(3, budget // (key_tile * key_bytes * 2)))
+    programs = batch * kv_heads * cdiv(rows, row_tile)
+    useful = cdiv(cdiv(capacity, key_tile), DECODE_MIN_BLOCKS_PER_SPLIT)
+    splits = max(1, min(DECODE_PROGRAMS_PER_SM * multiprocessors // max(programs, 1), useful, DECODE_MAX_SPLITS))
+    return DecodePlan(row_tile, key_tile, 4, stages, splits)
+
+
+_decode_plan_cached = functools.lru_cache(maxsize=1024)(_decode_plan)
+_adjust_decode: Callable[[DecodePlan], DecodePlan] | None = None
+
+
+def decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int,
+                multiprocessors: int) -> DecodePlan:
+    """Tiles and split count of a KV-cache call: ``rows = (Hq // Hkv) * Sq`` query rows per key/value head, a cache
+    of ``capacity`` positions per sequence, on a GPU of ``multiprocessors`` SMs. The split count comes from the
+    shapes only (enough programs for ``DECODE_PROGRAMS_PER_SM`` per SM, each split at least
+    ``DECODE_MIN_BLOCKS_PER_SPLIT`` key blocks of the capacity), never from the lengths, which live on the GPU."""
+    plan = _decode_plan_cached(batch, kv_heads, rows, d, dtype, capacity, multiprocessors)
+    return _adjust_decode(plan) if _adjust_decode is not None else plan
+
+
+@contextlib.contextmanager
+def override_decode(adjust: Callable[[DecodePlan], DecodePlan]) -> Iterator[None]:
+    """Inside the block, every KV-cache call runs ``adjust(table_plan)``: for tests (many splits on small caches)
+    and for tools that time another tile or split count."""
+    global _adjust_decode
+    saved = _adjust_decode
+    _adjust_decode = adjust
+    try:
+        yield
+    finally:
+        _adjust_decode = saved
 
 
 @contextlib.contextmanager

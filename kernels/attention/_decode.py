@@ -1,0 +1,297 @@
+"""Attention against a KV cache, for inference (forward only): split-KV decoding, GQA packing, paged caches.
+
+Implements ``reference.attention.attention_with_kvcache`` (read beside it) in three kernels:
+- ``_kvcache_append_kernel``: copies the new keys and values into the cache at positions ``cache_seqlens[b] ...``
+  of each sequence, in place (through the block table when the cache is paged). One program per (token block,
+  batch * key/value head); K and V in the same program.
+- ``_kvcache_attn_kernel``: one program per (batch * key/value head, key split, row block). Its rows are the
+  queries of every query head that shares the key/value head (row ``r``: query head ``hk * GROUP + r // Sq``, query
+  ``r % Sq``), so one read of a K/V tile serves the whole GQA group instead of one read per query head. The keys
+  the sequence's queries can see, ``[lo, L)`` with ``L = cache_seqlens[b] + Sq_new``, are cut at run time into
+  ``SPLITS`` chunks of whole key blocks, so that every split of every sequence gets an equal share of that
+  sequence's own length (ragged batches included) and a short sequence leaves its last splits empty. Each program
+  streams its chunk through the forward's online softmax (base 2) and writes its rows normalised, with their
+  log-sum-exp: into fp32 partial buffers when ``SPLIT``, else straight into the output.
+- ``_kvcache_combine_kernel`` (only when ``SPLITS > 1``): per row, ``lse = log sum_s exp(lse_s)`` and
+  ``o = sum_s exp(lse_s - lse) o_s``; an empty split has ``lse_s = -inf`` and weighs nothing.
+
+Masks: the band is the forward's, with ``Sk = L`` per sequence (queries align bottom-right): query ``i`` sees keys
+``i + L - Sq - LEFT <= j <= i + L - Sq + RIGHT`` (causal: ``RIGHT = 0``). Key blocks that every row sees whole
+load without a mask (``MASKED`` is a compile-time variant of one loop); the others mask per element.
+
+Paged caches (``PAGED``): position ``j`` of sequence ``b`` lives in page ``block_table[b, j // block_size]``, row
+``j % block_size``; each key row finds its page from the table, so any block size works (a page may be shorter
+than a key block).
+
+Limits: forward only, any head dim of the family (padded to a power of two inside the kernels), fp16/bf16/fp32.
+``cache_seqlens[b] + Sq_new`` is clamped to the cache's capacity (and at 0): lengths live on the device and are
+not checked on the host (that would wait for the GPU); block-table entries are not checked either.
+
+Trade-offs: the split count is chosen on the host from the shapes (``configs.decode_plan``: enough programs to fill
+the GPU, chunks of at least a few key blocks), never from the lengths, so a call needs no synchronisation and a
+CUDA graph can capture it; a sequence much shorter than the cache's capacity then has short chunks. The partial
+results cost ``B * Hkv * SPLITS * GROUP * Sq * (D + 1) * 4`` bytes written and read once, small beside the K/V read
+at Sq <= 16. The row tile is at least 16 (the MMA's M): a decode step with a GQA group of 4 computes 16 rows of which
+4 are real, which costs nothing at this arithmetic intensity.
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.attention._kernels import _apply_window
+
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _sequence_keys(seqlens_ptr, b, new_tokens, capacity):
+    """``L``: the keys of sequence ``b`` after the append, clamped to ``[0, capacity]``."""
+    return tl.minimum(tl.maximum(tl.load(seqlens_ptr + b) + new_tokens, 0), capacity)
+
+
+@triton.jit
+def _cache_row_offsets(cols, table_row, block_size, stride_page, stride_s, L, PAGED: tl.constexpr,
+                       MASKED: tl.constexpr):
+    """64-bit offsets of cache positions ``cols`` of one sequence and head: ``cols * stride_s`` in a contiguous cache,
+    ``page * stride_page + row * stride_s`` in a paged one (positions at or past ``L`` read page 0 when ``MASKED``)."""
+    if PAGED:
+        if MASKED:
+            pages = tl.load(table_row + cols // block_size, mask=cols < L, other=0)
+        else:
+            pages = tl.load(table_row + cols // block_size)
+        return pages.to(tl.int64) * stride_page + (cols % block_size).to(tl.int64) * stride_s
+    return cols.to(tl.int64) * stride_s
+
+
+@triton.jit
+def _kvcache_append_kernel(
+    k_new_ptr, v_new_ptr,  # (B, Hkv, S_new, D)
+    k_cache_ptr, v_cache_ptr,  # (B, Hkv, S_max, D), or paged (num_blocks, Hkv, block_size, D)
+    seqlens_ptr,  # (B,) int32: where sequence b's new tokens go
+    table_ptr, stride_tb,  # (B, max_blocks) int32 block table (PAGED)
+    stride_knb, stride_knh, stride_kns, stride_knd,
+    stride_vnb, stride_vnh, stride_vns, stride_vnd,
+    stride_kcb, stride_kch, stride_kcs, stride_kcd,
+    stride_vcb, stride_vch, stride_vcs, stride_vcd,
+    Hkv, S_new, D, block_size, capacity,
+    PAGED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = tl.load(seqlens_ptr + b) + t
+    # positions past the capacity are dropped (the attention kernel clamps its lengths the same way)
+    rows_ok = (t < S_new) & (pos >= 0) & (pos < capacity)
+    ok = rows_ok[:, None] & (offs_d < D)[None, :]
+    table_row = table_ptr + b.to(tl.int64) * stride_tb
+    if PAGED:
+        pages = tl.load(table_row + pos // block_size, mask=rows_ok, other=0).to(tl.int64)
+        k_rows = pages * stride_kcb + (pos % block_size).to(tl.int64) * stride_kcs
+        v_rows = pages * stride_vcb + (pos % block_size).to(tl.int64) * stride_vcs
+    else:
+        k_rows = b.to(tl.int64) * stride_kcb + pos.to(tl.int64) * stride_kcs
+        v_rows = b.to(tl.int64) * stride_vcb + pos.to(tl.int64) * stride_vcs
+    k_src = k_new_ptr + b.to(tl.int64) * stride_knb + hk.to(tl.int64) * stride_knh
+    v_src = v_new_ptr + b.to(tl.int64) * stride_vnb + hk.to(tl.int64) * stride_vnh
+    k = tl.load(k_src + t[:, None].to(tl.int64) * stride_kns + offs_d[None, :] * stride_knd, mask=ok)
+    v = tl.load(v_src + t[:, None].to(tl.int64) * stride_vns + offs_d[None, :] * stride_vnd, mask=ok)
+    k_dst = k_cache_ptr + hk.to(tl.int64) * stride_kch + k_rows[:, None] + offs_d[None, :] * stride_kcd
+    v_dst = v_cache_ptr + hk.to(tl.int64) * stride_vch + v_rows[:, None] + offs_d[None, :] * stride_vcd
+    tl.store(k_dst, k, mask=ok)
+    tl.store(v_dst, v, mask=ok)
+
+
+@triton.jit
+def _kvcache_attn_inner(
+    acc, m_i, l_i, q, k_head, v_head, table_row, start, end, q_idx, offs_n, offs_d, L, D, block_size,
+    stride_kpage, stride_ks, stride_kd, stride_vpage, stride_vs, stride_vd, lo_shift, hi_shift, scale_log2,
+    MASKED: tl.constexpr, PAGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Stream cache positions [start, end) (whole key blocks, except a masked last one) through the online
+    softmax (base 2)."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k_rows = _cache_row_offsets(cols, table_row, block_size, stride_kpage, stride_ks, L, PAGED, MASKED)
+        v_rows = _cache_row_offsets(cols, table_row, block_size, stride_vpage, stride_vs, L, PAGED, MASKED)
+        k_ptrs = k_head + k_rows[:, None] + offs_d[None, :] * stride_kd
+        v_ptrs = v_head + v_rows[:, None] + offs_d[None, :] * stride_vd
+        if MASKED:
+            kv_mask = (cols < L)[:, None] & (offs_d < D)[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            s = tl.where(cols[None, :] < L, qk * scale_log2, float("-inf"))
+            s = _apply_window(s, q_idx[:, None], cols[None, :], lo_shift, hi_shift, float("-inf"), HAS_LEFT,
+                              HAS_RIGHT)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # a row that has seen no key yet keeps m = -inf; subtract 0 so that exp2 gives 0, not NaN
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_new_safe[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
+            m_new_safe = m_new
+            p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["new_tokens", "Sq"])
+def _kvcache_attn_kernel(
+    q_ptr,  # (B, Hq, Sq, D)
+    k_ptr, v_ptr,  # (B, Hkv, S_max, D), or paged (num_blocks, Hkv, block_size, D)
+    o_ptr,  # SPLIT: (B * Hkv * SPLITS * ROWS, D) fp32 partials; else (B, Hq, Sq, D)
+    lse_ptr,  # SPLIT: (B * Hkv * SPLITS * ROWS,) fp32; else (B, Hq, Sq) fp32 (STORE_LSE)
+    seqlens_ptr,  # (B,) int32: tokens in each cache before this call's new ones
+    table_ptr, stride_tb,  # (B, max_blocks) int32 block table (PAGED)
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,  # stride_kb: batch stride, or page stride when PAGED
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,  # the output's (not SPLIT)
+    stride_lb, stride_lh,  # lse's (not SPLIT); 1 along the sequence
+    Hkv, GROUP, Sq, new_tokens, D, block_size, capacity,
+    scale_log2,  # softmax_scale * log2(e)
+    LEFT, RIGHT,  # the band around query i's key position i + L - Sq (causal: RIGHT = 0)
+    SPLITS,  # key splits per (batch, key/value head)
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+    STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_bhk = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    b = pid_bhk // Hkv
+    hk = pid_bhk % Hkv
+    ROWS = GROUP * Sq
+    rows = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_head = hk * GROUP + rows // Sq
+    q_idx = rows % Sq
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    scale_log2 = tl.cast(scale_log2, tl.float32)
+
+    q_ptrs = (q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
+              + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=(rows < ROWS)[:, None] & (offs_d < D)[None, :], other=0.0)
+
+    L = _sequence_keys(seqlens_ptr, b, new_tokens, capacity)
+    lo_shift = L - Sq - LEFT  # query i sees keys from i + lo_shift (HAS_LEFT) ...
+    hi_shift = L - Sq + RIGHT  # ... to i + hi_shift (HAS_RIGHT)
+    # keys some query of the sequence sees: [lo, L), cut into SPLITS chunks of whole key blocks
+    lo = 0
+    if HAS_LEFT:
+        lo = tl.minimum(tl.maximum(lo_shift, 0), L) // BLOCK_N * BLOCK_N
+    blocks_per_split = tl.cdiv(tl.cdiv(L - lo, BLOCK_N), SPLITS)
+    start = tl.minimum(lo + split * blocks_per_split * BLOCK_N, L)
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, L)
+    # key blocks every query sees whole: from the last query's left edge to the first query's right edge
+    full_lo = start
+    if HAS_LEFT:
+        full_lo = tl.cdiv(tl.maximum(Sq - 1 + lo_shift, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, start), end)
+    full_hi = L
+    if HAS_RIGHT:
+        full_hi = tl.minimum(tl.maximum(hi_shift + 1, 0), L)
+    full_hi = tl.maximum(tl.minimum(full_hi // BLOCK_N * BLOCK_N, end), full_lo)
+
+    if PAGED:
+        k_head = k_ptr + hk.to(tl.int64) * stride_kh
+        v_head = v_ptr + hk.to(tl.int64) * stride_vh
+    else:
+        k_head = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+        v_head = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    table_row = table_ptr + b.to(tl.int64) * stride_tb
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, start, full_lo, q_idx, offs_n,
+                                        offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
+                                        stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, True, PAGED, HAS_LEFT,
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION)
+    acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, full_lo, full_hi, q_idx,
+                                        offs_n, offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
+                                        stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, False, PAGED, HAS_LEFT,
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION)
+    acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, full_hi, end, q_idx, offs_n,
+                                        offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
+                                        stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, True, PAGED, HAS_LEFT,
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION)
+
+    # l_i = 0 only for a row that saw no key (an empty split, a query before every visible key); not `l_i > 0`,
+    # which would turn a NaN row into zeros
+    seen = ~(l_i == 0.0)
+    safe_l = tl.where(seen, l_i, 1.0)
+    o = tl.where(seen[:, None], acc / safe_l[:, None], 0.0)
+    lse = tl.where(seen, (m_i + tl.math.log2(safe_l)) * _LN2, float("-inf"))
+    row_ok = rows < ROWS
+    if SPLIT:
+        part = (pid_bhk * SPLITS + split).to(tl.int64) * ROWS + rows
+        tl.store(o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=row_ok[:, None])
+        tl.store(lse_ptr + part, lse, mask=row_ok)
+    else:
+        o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + q_head[:, None].to(tl.int64) * stride_oh
+                  + q_idx[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od)
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
+        if STORE_LSE:
+            tl.store(lse_ptr + b.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh + q_idx, lse,
+                     mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["Sq"])
+def _kvcache_combine_kernel(
+    o_part_ptr, lse_part_ptr,  # (B * Hkv * SPLITS * ROWS, BLOCK_D) and (B * Hkv * SPLITS * ROWS,) fp32
+    o_ptr,  # (B, Hq, Sq, D)
+    lse_ptr,  # (B, Hq, Sq) fp32 (STORE_LSE)
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh,
+    Hkv, GROUP, Sq, D, SPLITS,
+    STORE_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_bhk = tl.program_id(1)
+    b = pid_bhk // Hkv
+    hk = pid_bhk % Hkv
+    ROWS = GROUP * Sq
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < ROWS
+    offs_d = tl.arange(0, BLOCK_D)
+    first = (pid_bhk * SPLITS).to(tl.int64) * ROWS + rows
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for s in range(SPLITS):
+        m = tl.maximum(m, tl.load(lse_part_ptr + first + s * ROWS, mask=row_ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s in range(SPLITS):
+        weight = tl.exp(tl.load(lse_part_ptr + first + s * ROWS, mask=row_ok, other=float("-inf")) - m_safe)
+        part = tl.load(o_part_ptr + (first + s * ROWS)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
+                       other=0.0)
+        total += weight
+        acc += weight[:, None] * part
+    seen = ~(total == 0.0)
+    safe_total = tl.where(seen, total, 1.0)
+    o = tl.where(seen[:, None], acc / safe_total[:, None], 0.0)
+    q_head = hk * GROUP + rows // Sq
+    q_idx = rows % Sq
+    o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + q_head[:, None].to(tl.int64) * stride_oh
+              + q_idx[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
+    if STORE_LSE:
+        lse = tl.where(seen, m + tl.log(safe_total), float("-inf"))
+        tl.store(lse_ptr + b.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh + q_idx, lse, mask=row_ok)

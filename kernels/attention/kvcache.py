@@ -1,0 +1,177 @@
+"""Launchers of attention against a KV cache (inference, forward only): ``flash_attention_with_kvcache``.
+
+The kernels are in ``kernels/attention/_decode.py``; tiles and the split count come from
+``kernels.attention.configs.decode_plan``. CPU tensors without the Triton interpreter run the twin
+``reference.attention.attention_with_kvcache``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import reference.attention as twin
+from kernels._common import backend_for, cdiv, check_float_dtype, check_same_device, check_tensor, kernel_for
+from kernels._common.launch import multiprocessor_count
+from kernels.attention import configs
+from kernels.attention._decode import _kvcache_append_kernel, _kvcache_attn_kernel, _kvcache_combine_kernel
+from kernels.attention.ops import _precision, _scale, _window
+
+#: new tokens per program of the append kernel
+_APPEND_TOKENS = 16
+
+
+def _check_int32(name: str, t, dims: int) -> None:
+    check_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {list(t.shape)}")
+
+
+def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> int:
+    """The argument checks that need no GPU synchronisation; returns the cache's capacity per sequence."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float_dtype(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {list(t.shape)}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise TypeError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {list(k_cache.shape)} and "
+                         f"{list(v_cache.shape)}")
+    batch, heads, _, d = q.shape
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"q and k_cache must have the same head dim, got {d} and {k_cache.shape[3]}")
+    if not 1 <= d <= configs.MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be between 1 and {configs.MAX_HEAD_DIM}, got {d}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"the number of query heads ({heads}) must be a multiple of the number of key/value heads "
+                         f"({kv_heads})")
+    _check_int32("cache_seqlens", cache_seqlens, 1)
+    if cache_seqlens.shape[0] != batch:
+        raise ValueError(f"cache_seqlens must have one length per sequence ({batch}), got {cache_seqlens.shape[0]}")
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"a contiguous cache (B, Hkv, S_max, D) must have q's batch size {batch}, got "
+                             f"{k_cache.shape[0]}")
+        capacity = k_cache.shape[2]
+    else:
+        _check_int32("block_table", block_table, 2)
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have one row per sequence ({batch}), got {block_table.shape[0]}")
+        if k_cache.shape[2] == 0:
+            raise ValueError("a paged cache (num_blocks, Hkv, block_size, D) needs block_size >= 1")
+        capacity = block_table.shape[1] * k_cache.shape[2]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t)
+            if t.dtype != k_cache.dtype:
+                raise TypeError(f"{name} must have the cache's dtype {k_cache.dtype}, got {t.dtype}")
+            if t.dim() != 4 or t.shape[0] != batch or t.shape[1] != kv_heads or t.shape[3] != d:
+                raise ValueError(f"{name} must be (B, Hkv, Sq_new, D) = ({batch}, {kv_heads}, Sq_new, {d}), got "
+                                 f"{list(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        if k.shape[2] > capacity:
+            raise ValueError(f"{k.shape[2]} new tokens do not fit a cache of {capacity} positions per sequence")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                      k=k, v=v)
+    return capacity
+
+
+def _page_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
+    return tuple(cache.stride())
+
+
+def _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity: int) -> None:
+    batch, kv_heads, new_tokens, d = k.shape
+    bd = configs.block_d(d)
+    paged = block_table is not None
+    table = block_table if paged else cache_seqlens
+    grid = (cdiv(new_tokens, _APPEND_TOKENS), batch * kv_heads)
+    kernel_for(_kvcache_append_kernel, traceable=False)[grid](
+        k, v, k_cache, v_cache, cache_seqlens, table, table.stride(0) if paged else 0,
+        *k.stride(), *v.stride(), *_page_strides(k_cache), *_page_strides(v_cache),
+        kv_heads, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
+        PAGED=paged, BLOCK_T=_APPEND_TOKENS, BLOCK_D=bd, num_warps=4,
+    )
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=True,
+                                 softmax_scale=None, window_size=(-1, -1), return_lse=False):
+    """Attention of new queries against a KV cache, for inference (forward only, no autograd).
+
+    ``q`` (B, Hq, Sq, D). The cache is contiguous, ``k_cache``/``v_cache`` (B, Hkv, S_max, D), or paged,
+    (num_blocks, Hkv, block_size, D) with ``block_table`` (B, max_blocks) int32: position ``t`` of sequence ``b``
+    is row ``t % block_size`` of page ``block_table[b, t // block_size]``. ``cache_seqlens`` (B,) int32 counts the
+    tokens already in each sequence's cache. ``k``/``v`` (B, Hkv, Sq_new, D), when given, are written into the cache
+    at positions ``cache_seqlens[b] ...`` in place (the caller advances ``cache_seqlens`` afterwards). Sequence
+    ``b``'s queries then attend to its ``L = cache_seqlens[b] + Sq_new`` keys, aligned bottom-right as in
+    :func:`~kernels.attention.flash_attention`: with ``causal`` query ``i`` sees keys up to ``i + L - Sq``, and
+    ``window_size = (left, right)`` bounds the band the same way. A query that sees no key gets zeros (and a
+    log-sum-exp of -inf). GQA/MQA: ``Hq`` a multiple of ``Hkv``. Any strides; fp16, bf16, fp32.
+
+    Returns the output (B, Hq, Sq, D) in q's dtype, and with ``return_lse`` also the natural-log log-sum-exp
+    (B, Hq, Sq) fp32.
+
+    Split-KV ("flash decoding"): the keys of each (sequence, key/value head) are split across programs, each
+    computing every query head of the GQA group from one read of its K/V share, and a second small kernel
+    combines the partial results; the split count comes from the shapes and the SM count
+    (``kernels.attention.configs.decode_plan``). No host synchronisation: a call can be captured in a CUDA graph.
+    The lengths are read on the GPU, so they are not checked here: ``cache_seqlens[b] + Sq_new`` is clamped to the
+    cache's capacity (``S_max``, or ``max_blocks * block_size``) and at 0, and block-table entries must name pages
+    of the cache.
+    """
+    capacity = _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+    left, right = _window(window_size, bool(causal))
+    batch, heads, sq, d = q.shape
+    scale = _scale(softmax_scale, d)
+    if backend_for(q) == "reference":
+        o, lse = twin.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                                             causal=causal, softmax_scale=scale, window_size=window_size,
+                                             return_lse=True)
+        return (o, lse.float()) if return_lse else o
+    new_tokens = 0 if k is None else k.shape[2]
+    if new_tokens and batch and k.shape[1]:
+        _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity)
+    o = torch.empty((batch, heads, sq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, sq), dtype=torch.float32, device=q.device) if return_lse else None
+    if o.numel() == 0:
+        return (o, lse) if return_lse else o
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    rows = group * sq
+    multiprocessors = multiprocessor_count(q.device.index or 0) if q.is_cuda else 4
+    plan = configs.decode_plan(batch, kv_heads, rows, d, q.dtype, capacity, multiprocessors)
+    bd = configs.block_d(d)
+    paged = block_table is not None
+    table = block_table if paged else cache_seqlens
+    split = plan.splits > 1
+    if split:
+        parts = batch * kv_heads * plan.splits * rows
+        o_out = torch.empty((parts, bd), dtype=torch.float32, device=q.device)
+        lse_out = torch.empty((parts,), dtype=torch.float32, device=q.device)
+    else:
+        o_out, lse_out = o, lse if return_lse else o
+    lse_strides = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
+    grid = (batch * kv_heads, plan.splits, cdiv(rows, plan.block_m))
+    kernel_for(_kvcache_attn_kernel, traceable=False)[grid](
+        q, k_cache, v_cache, o_out, lse_out, cache_seqlens, table, table.stride(0) if paged else 0,
+        *q.stride(), *_page_strides(k_cache), *_page_strides(v_cache), *o.stride(), *lse_strides,
+        kv_heads, group, sq, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
+        scale * 1.4426950408889634, left, right, plan.splits,
+        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd, DOT_PRECISION=_precision(q.dtype),
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if split:
+        row_tile = min(64, max(16, 8192 // bd))
+        kernel_for(_kvcache_combine_kernel, traceable=False)[(cdiv(rows, row_tile), batch * kv_heads)](
+            o_out, lse_out, o, lse if return_lse else lse_out, *o.stride(), *lse_strides,
+            kv_heads, group, sq, d, plan.splits,
+            STORE_LSE=return_lse, BLOCK_R=row_tile, BLOCK_D=bd, num_warps=4,
+        )
+    return (o, lse) if return_lse else o

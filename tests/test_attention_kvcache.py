@@ -1,0 +1,224 @@
+"""flash_attention_with_kvcache: the split-KV kernels against the twin ``reference.attention.attention_with_kvcache``
+(contiguous and paged caches, appends, GQA/MQA, windows, empty and ragged caches, forced split counts), the split
+plan, CUDA-graph capture and the argument errors. The twin itself is tested in ``test_attention.py``."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import reference.attention as twin
+from kernels._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
+from kernels.attention import configs, flash_attention_with_kvcache
+from tests._caches import paged_cache
+from tests._numerics import assert_no_worse_than_torch
+
+ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+
+#: (Hq, Hkv, Sq, cache_seqlens, S_max, D, causal, window, splits: None = the plan's)
+CASES = by_mode(
+    interpreter=[
+        (4, 2, 1, [5, 0, 37], 40, 16, True, (-1, -1), None),  # decode, an empty cache
+        (4, 2, 3, [6, 11, 2], 40, 16, True, (-1, -1), 3),
+        (4, 1, 1, [0, 13, 39], 40, 16, True, (-1, -1), 4),  # MQA, splits past a short cache's keys
+        (2, 2, 4, [12, 3, 25], 40, 24, True, (4, 0), 2),  # sliding window, D not a power of two
+        (8, 2, 5, [30, 1, 7], 40, 16, False, (-1, -1), 2),
+        (2, 1, 16, [20, 40, 0], 64, 16, True, (-1, -1), 3),  # 32 rows per key/value head
+        (2, 2, 2, [70, 9], 80, 16, True, (3, -1), 5),  # causal with a left window
+    ],
+    cuda=[
+        (32, 8, 1, [8191, 4000, 0, 1], 8192, 128, True, (-1, -1), None),
+        (32, 8, 1, [8191, 4000, 0, 1], 8192, 128, True, (-1, -1), 1),
+        (32, 8, 4, [3000, 1024, 77], 4096, 128, True, (-1, -1), 7),
+        (16, 16, 1, [5000, 17], 6000, 64, True, (-1, -1), None),
+        (8, 1, 16, [2000, 2048, 0], 2100, 64, True, (-1, -1), None),  # MQA, 128 rows per key/value head
+        (8, 2, 8, [3000, 511], 4096, 256, True, (500, 0), None),
+        (4, 2, 3, [900, 100], 1024, 96, False, (-1, -1), 3),
+        (4, 4, 2, [1000, 1], 1200, 40, True, (64, 16), None),
+        (4, 2, 1, [300], 512, 512, True, (-1, -1), None),
+    ],
+)
+
+
+def _inputs(hq, hkv, sq, seqlens, s_max, d, dtype, *, append=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b = len(seqlens)
+    q = torch.randn(b, hq, sq, d, generator=g)
+    k_cache, v_cache = (torch.randn(b, hkv, s_max, d, generator=g) for _ in range(2))
+    new = [torch.randn(b, hkv, sq, d, generator=g) for _ in range(2)] if append else [None, None]
+    to = lambda t: None if t is None else t.to(DEVICE, dtype)
+    return (to(q), to(k_cache), to(v_cache), torch.tensor(seqlens, dtype=torch.int32, device=DEVICE), to(new[0]),
+            to(new[1]))
+
+
+def _forced(splits):
+    return contextlib.nullcontext() if splits is None else configs.override_decode(lambda p: p._replace(splits=splits))
+
+
+def _twin(q, k_cache, v_cache, seqlens, k, v, **kw):
+    """The twin in float64 on copies of the caches; returns (out, lse, k_cache after, v_cache after)."""
+    caches = [k_cache.double().clone(), v_cache.double().clone()]
+    new = [None if t is None else t.double() for t in (k, v)]
+    out, lse = twin.attention_with_kvcache(q.double(), *caches, seqlens, k=new[0], v=new[1], return_lse=True, **kw)
+    return out, lse, *caches
+
+
+def _peer(q, k_cache, v_cache, seqlens, k, v, **kw):
+    """The twin in the input dtype, as a peer's rounding error."""
+    return twin.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), seqlens, k=k, v=v, **kw)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_contiguous_cache_matches_the_twin_and_appends_in_place(case, dtype):
+    hq, hkv, sq, seqlens, s_max, d, causal, window, splits = case
+    q, k_cache, v_cache, seqlens_t, k, v = _inputs(hq, hkv, sq, seqlens, s_max, d, dtype)
+    kw = {"causal": causal, "window_size": window}
+    ref, ref_lse, ref_k, ref_v = _twin(q, k_cache, v_cache, seqlens_t, k, v, **kw)
+    peer = _peer(q, k_cache, v_cache, seqlens_t, k, v, **kw)
+    with _forced(splits):
+        out, lse = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v, return_lse=True, **kw)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    # the append is a copy: the caches equal the twin's bit for bit, new rows and old ones
+    assert torch.equal(k_cache.double(), ref_k) and torch.equal(v_cache.double(), ref_v)
+    assert_no_worse_than_torch("out", out, peer, ref, atol=ATOL[dtype])
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows that see no key: lse -inf exactly there"
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], rtol=0, atol=1e-3)
+    assert (out[~seen] == 0).all()
+
+
+@pytest.mark.parametrize("block_size", by_mode(interpreter=[1, 8, 16], cuda=[16, 64, 256]))
+@pytest.mark.parametrize("append", [True, False])
+def test_paged_cache_gives_the_contiguous_result(block_size, append):
+    dtype = torch.float32 if INTERPRETER else torch.bfloat16
+    hq, hkv, sq, seqlens, s_max, d = by_mode(interpreter=(4, 2, 2, [0, 21, 46], 48, 16),
+                                             cuda=(16, 4, 3, [0, 2100, 4093, 700], 4096, 128))
+    q, k_cache, v_cache, seqlens_t, k, v = _inputs(hq, hkv, sq, seqlens, s_max, d, dtype, append=append)
+    order = torch.randperm(len(seqlens) * s_max // block_size, generator=torch.Generator().manual_seed(1)).tolist()
+    k_pages, table = paged_cache(k_cache, block_size, order, spare_pages=1)
+    v_pages, _ = paged_cache(v_cache, block_size, order, spare_pages=1)
+    for splits in (None, 3):
+        with _forced(splits):
+            contiguous = flash_attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), seqlens_t, k=k, v=v)
+            paged = flash_attention_with_kvcache(q, k_pages, v_pages, seqlens_t, k=k, v=v, block_table=table)
+        # the same blocks in the same order: only the addresses differ
+        assert torch.equal(paged, contiguous)
+    if append:  # the new tokens landed in their pages (the second call wrote the same values again)
+        for b, start in enumerate(seqlens):
+            for t in range(sq):
+                pos = start + t
+                page = int(table[b, pos // block_size])
+                assert torch.equal(k_pages[page, :, pos % block_size], k[b, :, t])
+                assert torch.equal(v_pages[page, :, pos % block_size], v[b, :, t])
+    assert torch.isnan(k_pages[-1]).all(), "the spare page is never written"
+
+
+def test_split_counts_agree_and_empty_splits_weigh_nothing():
+    dtype = torch.float32 if INTERPRETER else torch.float16
+    q, k_cache, v_cache, seqlens_t, _, _ = _inputs(*by_mode(interpreter=(4, 2, 1, [3, 35, 0], 40, 16),
+                                                            cuda=(32, 8, 1, [3, 9000, 0, 128], 9000, 128)),
+                                                   dtype, append=False)
+    outs = []
+    for splits in (1, 2, 5, 64):
+        with _forced(splits):
+            outs.append(flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, return_lse=True))
+    for out, lse in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], rtol=0, atol=2 * ATOL[dtype])
+        torch.testing.assert_close(lse, outs[0][1], rtol=0, atol=1e-4)
+    assert (outs[-1][0][2] == 0).all() and torch.isneginf(outs[-1][1][2]).all()  # the empty cache
+
+
+def test_strided_views_take_no_copies():
+    """q from a (B, S, H, D) tensor, caches allocated (B, S_max, Hkv, D) as FlashAttention keeps them, viewed as
+    (B, Hkv, S_max, D)."""
+    dtype = torch.float32 if INTERPRETER else torch.bfloat16
+    hq, hkv, sq, seqlens, s_max, d = by_mode(interpreter=(4, 2, 2, [5, 30], 40, 16),
+                                             cuda=(32, 8, 2, [4000, 77], 4096, 128))
+    q, k_cache, v_cache, seqlens_t, k, v = _inputs(hq, hkv, sq, seqlens, s_max, d, dtype)
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2)
+    k_view, v_view = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k_cache, v_cache))
+    expected = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v)
+    out = flash_attention_with_kvcache(q_view, k_view, v_view, seqlens_t, k=k.transpose(1, 2).contiguous()
+                                       .transpose(1, 2), v=v)
+    assert torch.equal(out, expected)
+    assert torch.equal(k_view, k_cache) and torch.equal(v_view, v_cache)
+
+
+def test_lengths_past_the_capacity_are_clamped():
+    dtype = torch.float32 if INTERPRETER else torch.float16
+    q, k_cache, v_cache, _, k, v = _inputs(2, 1, 2, [0, 0], 24, 16, dtype)
+    full = torch.tensor([22, 22], dtype=torch.int32, device=DEVICE)
+    expected = flash_attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), full, k=k, v=v)
+    past = torch.tensor([22, 500], dtype=torch.int32, device=DEVICE)
+    before = k_cache.clone()
+    out = flash_attention_with_kvcache(q, k_cache, v_cache, past, k=k, v=v)
+    # sequence 1's new tokens fall outside its 24 positions: not written; it attends to its 24 keys
+    assert torch.equal(k_cache[1], before[1])
+    torch.testing.assert_close(out[0], expected[0], rtol=0, atol=0)
+    assert torch.isfinite(out).all()
+
+
+def test_decode_plan_splits_from_the_gpu_and_the_shapes():
+    plan = configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, 132)
+    assert plan.splits == 16 and plan.block_n == 128  # 128 programs in one wave over 132 SMs
+    assert configs.decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, 132).splits == 1  # 512 programs already
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 512, 132).splits == 1  # 4 key blocks: one split
+    assert configs.decode_plan(1, 1, 1, 128, torch.bfloat16, 1 << 20, 132).splits == configs.DECODE_MAX_SPLITS
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, 66).splits == 8
+    assert configs.decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, 132).splits == 5  # 120 programs, not 144
+    wide = configs.decode_plan(1, 8, 4, 1024, torch.float32, 4096, 132)
+    assert wide.block_n == 16 and wide.num_stages == 1 and wide.block_m == 16  # 128 KiB of K and V per stage
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_a_decode_step():
+    q, k_cache, v_cache, seqlens_t, k, v = _inputs(32, 8, 1, [5000, 100, 0], 8192, 128, torch.bfloat16)
+    cache_k, cache_v = k_cache.clone(), v_cache.clone()
+    expected = flash_attention_with_kvcache(q, cache_k, cache_v, seqlens_t, k=k, v=v)
+    out = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v)  # compiles, warms up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v)
+    seqlens_t += 1  # the next step: one more token in each cache, read by the replay on the GPU
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    shifted = flash_attention_with_kvcache(q, cache_k, cache_v, seqlens_t, k=k, v=v)
+    assert torch.equal(captured, shifted)
+    assert torch.equal(k_cache, cache_k)
+
+
+def _bad_call(**changes):
+    q, k_cache, v_cache, seqlens_t, k, v = _inputs(4, 2, 2, [3, 5], 16, 16, torch.float32)
+    args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": seqlens_t, "k": k, "v": v}
+    args.update(changes)
+    return lambda: flash_attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
+                                                args.pop("cache_seqlens"), **args)
+
+
+@pytest.mark.parametrize(("changes", "error", "words"), [
+    ({"q": torch.zeros(2, 4, 2, 16, dtype=torch.int32)}, TypeError, "q must"),
+    ({"q": torch.zeros(2, 4, 16)}, ValueError, "q must be 4-D"),
+    ({"k_cache": torch.zeros(2, 2, 16, 16, dtype=torch.float16)}, TypeError, "one dtype"),
+    ({"v_cache": torch.zeros(2, 2, 17, 16)}, ValueError, "same shape"),
+    ({"q": torch.zeros(2, 3, 2, 16)}, ValueError, "multiple of the number of key/value heads"),
+    ({"q": torch.zeros(2, 4, 2, 8)}, ValueError, "head dim"),
+    ({"cache_seqlens": torch.zeros(2, dtype=torch.int64)}, TypeError, "cache_seqlens must be an int32"),
+    ({"cache_seqlens": torch.zeros(3, dtype=torch.int32)}, ValueError, "one length per sequence"),
+    ({"k_cache": torch.zeros(3, 2, 16, 16), "v_cache": torch.zeros(3, 2, 16, 16)}, ValueError, "batch size"),
+    ({"block_table": torch.zeros(2, 4)}, TypeError, "block_table must be an int32"),
+    ({"block_table": torch.zeros(3, 4, dtype=torch.int32)}, ValueError, "one row per sequence"),
+    ({"v": None}, ValueError, "together"),
+    ({"k": torch.zeros(2, 2, 2, 16, dtype=torch.float16)}, TypeError, "k must have the cache's dtype"),
+    ({"v": torch.zeros(2, 1, 2, 16)}, ValueError, "v must be (B, Hkv, Sq_new, D)"),
+    ({"k": torch.zeros(2, 2, 17, 16), "v": torch.zeros(2, 2, 17, 16)}, ValueError, "do not fit"),
+    ({"window_size": (2.5, 0)}, TypeError, "window_size"),
+    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+])
+def test_bad_arguments_are_named(changes, error, words):
+    changes = {name: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for name, t in changes.items()}
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        _bad_call(**changes)()
