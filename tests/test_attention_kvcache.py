@@ -162,14 +162,15 @@ def test_lengths_past_the_capacity_are_clamped():
 
 
 def test_decode_plan_splits_from_the_gpu_and_the_shapes():
-    plan = configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, 132)
+    plan = configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132)
     assert plan.splits == 16 and plan.block_n == 128  # 128 programs in one wave over 132 SMs
-    assert configs.decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, 132).splits == 1  # 512 programs already
-    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 512, 132).splits == 1  # 4 key blocks: one split
-    assert configs.decode_plan(1, 1, 1, 128, torch.bfloat16, 1 << 20, 132).splits == configs.DECODE_MAX_SPLITS
-    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, 66).splits == 8
-    assert configs.decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, 132).splits == 5  # 120 programs, not 144
-    wide = configs.decode_plan(1, 8, 4, 1024, torch.float32, 4096, 132)
+    assert configs.decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, False, 132).splits == 1  # 512 programs already
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 512, False, 132).splits == 1  # 4 key blocks: one split
+    assert configs.decode_plan(1, 1, 1, 128, torch.bfloat16, 1 << 20, False, 132).splits == configs.DECODE_MAX_SPLITS
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 66).splits == 8
+    assert configs.decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, False, 132).splits == 5  # 120 programs, not 144
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, True, 132).splits == 33  # paged: 2 per SM
+    wide = configs.decode_plan(1, 8, 4, 1024, torch.float32, 4096, False, 132)
     assert wide.block_n == 16 and wide.num_stages == 1 and wide.block_m == 16  # 128 KiB of K and V per stage
 
 

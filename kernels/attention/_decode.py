@@ -1,6 +1,6 @@
 """Attention against a KV cache, for inference (forward only): split-KV decoding, GQA packing, paged caches.
 
-Implements ``reference.attention.attention_with_kvcache`` (read beside it) in three kernels:
+Implements ``reference.attention.attention_with_kvcache`` (read beside it) in two kernels:
 - ``_kvcache_append_kernel``: copies the new keys and values into the cache at positions ``cache_seqlens[b] ...``
   of each sequence, in place (through the block table when the cache is paged). One program per (token block,
   batch * key/value head); K and V in the same program.
@@ -10,10 +10,12 @@ Implements ``reference.attention.attention_with_kvcache`` (read beside it) in th
   the sequence's queries can see, ``[lo, L)`` with ``L = cache_seqlens[b] + Sq_new``, are cut at run time into
   ``SPLITS`` chunks of whole key blocks, so that every split of every sequence gets an equal share of that
   sequence's own length (ragged batches included) and a short sequence leaves its last splits empty. Each program
-  streams its chunk through the forward's online softmax (base 2) and writes its rows normalised, with their
-  log-sum-exp: into fp32 partial buffers when ``SPLIT``, else straight into the output.
-- ``_kvcache_combine_kernel`` (only when ``SPLITS > 1``): per row, ``lse = log sum_s exp(lse_s)`` and
-  ``o = sum_s exp(lse_s - lse) o_s``; an empty split has ``lse_s = -inf`` and weighs nothing.
+  streams its chunk through the forward's online softmax (base 2, ``_online_softmax_step``). Without splits it
+  writes its rows; with them (``SPLIT``) it writes them normalised, with their log-sum-exp, to fp32 partial
+  buffers and counts itself in its row block's arrivals, and the last split to arrive combines them all
+  (``_combine_splits``: ``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``; an empty split has
+  ``lse_s = -inf`` and weighs nothing) and resets the count for the next call. A combine kernel of its own
+  measured 0-5% slower (a launch and a dependency more, at B 1 and paged caches).
 
 Masks: the band is the forward's, with ``Sk = L`` per sequence (queries align bottom-right): query ``i`` sees keys
 ``i + L - Sq - LEFT <= j <= i + L - Sq + RIGHT`` (causal: ``RIGHT = 0``). Key blocks that every row sees whole
@@ -21,14 +23,15 @@ load without a mask (``MASKED`` is a compile-time variant of one loop); the othe
 
 Paged caches (``PAGED``): position ``j`` of sequence ``b`` lives in page ``block_table[b, j // block_size]``, row
 ``j % block_size``; each key row finds its page from the table, so any block size works (a page may be shorter
-than a key block).
+than a key block). The page numbers are loads the K/V loads depend on: Triton's pipeliner puts them a stage ahead
+and keeps one K/V block in flight per program instead of two, so a paged launch runs two programs per SM.
 
 Limits: forward only, any head dim of the family (padded to a power of two inside the kernels), fp16/bf16/fp32.
 ``cache_seqlens[b] + Sq_new`` is clamped to the cache's capacity (and at 0): lengths live on the device and are
 not checked on the host (that would wait for the GPU); block-table entries are not checked either.
 
-Trade-offs: the split count is chosen on the host from the shapes (``configs.decode_plan``: enough programs to fill
-the GPU, chunks of at least a few key blocks), never from the lengths, so a call needs no synchronisation and a
+Trade-offs: the split count is chosen on the host from the shapes (``configs.decode_plan``: programs to fill the
+GPU once, chunks of at least a few key blocks), never from the lengths, so a call needs no synchronisation and a
 CUDA graph can capture it; a sequence much shorter than the cache's capacity then has short chunks. The partial
 results cost ``B * Hkv * SPLITS * GROUP * Sq * (D + 1) * 4`` bytes written and read once, small beside the K/V read
 at Sq <= 16. The row tile is at least 16 (the MMA's M): a decode step with a GQA group of 4 computes 16 rows of which
@@ -38,7 +41,7 @@ at Sq <= 16. The row tile is at least 16 (the MMA's M): a decode step with a GQA
 import triton
 import triton.language as tl
 
-from kernels.attention._kernels import _apply_window
+from kernels.attention._kernels import _apply_window, _online_softmax_step
 
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -127,20 +130,11 @@ def _kvcache_attn_inner(
         else:
             k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        seen = None
         if MASKED:
-            s = tl.where(cols[None, :] < L, qk * scale_log2, float("-inf"))
-            s = _apply_window(s, q_idx[:, None], cols[None, :], lo_shift, hi_shift, float("-inf"), HAS_LEFT,
-                              HAS_RIGHT)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # a row that has seen no key yet keeps m = -inf; subtract 0 so that exp2 gives 0, not NaN
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_new_safe[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
-            m_new_safe = m_new
-            p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+            seen = _apply_window(cols[None, :] < L, q_idx[:, None], cols[None, :], lo_shift, hi_shift, False,
+                                 HAS_LEFT, HAS_RIGHT)
+        p, alpha, m_new, l_i = _online_softmax_step(qk, seen, m_i, l_i, scale_log2, MASKED)
         if MASKED:
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         elif EVEN_D:
@@ -156,15 +150,17 @@ def _kvcache_attn_inner(
 def _kvcache_attn_kernel(
     q_ptr,  # (B, Hq, Sq, D)
     k_ptr, v_ptr,  # (B, Hkv, S_max, D), or paged (num_blocks, Hkv, block_size, D)
-    o_ptr,  # SPLIT: (B * Hkv * SPLITS * ROWS, D) fp32 partials; else (B, Hq, Sq, D)
-    lse_ptr,  # SPLIT: (B * Hkv * SPLITS * ROWS,) fp32; else (B, Hq, Sq) fp32 (STORE_LSE)
+    o_ptr,  # (B, Hq, Sq, D)
+    lse_ptr,  # (B, Hq, Sq) fp32 (STORE_LSE)
+    o_part_ptr, lse_part_ptr,  # SPLIT: (B * Hkv * SPLITS * ROWS, BLOCK_D) and (B * Hkv * SPLITS * ROWS,) fp32
+    arrivals_ptr,  # SPLIT: (B * Hkv * row blocks,) int32, zero on entry and on exit: splits done per row block
     seqlens_ptr,  # (B,) int32: tokens in each cache before this call's new ones
     table_ptr, stride_tb,  # (B, max_blocks) int32 block table (PAGED)
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,  # stride_kb: batch stride, or page stride when PAGED
     stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_ob, stride_oh, stride_os, stride_od,  # the output's (not SPLIT)
-    stride_lb, stride_lh,  # lse's (not SPLIT); 1 along the sequence
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh,  # lse's; 1 along the sequence
     Hkv, GROUP, Sq, new_tokens, D, block_size, capacity,
     scale_log2,  # softmax_scale * log2(e)
     LEFT, RIGHT,  # the band around query i's key position i + L - Sq (causal: RIGHT = 0)
@@ -242,56 +238,55 @@ def _kvcache_attn_kernel(
     row_ok = rows < ROWS
     if SPLIT:
         part = (pid_bhk * SPLITS + split).to(tl.int64) * ROWS + rows
-        tl.store(o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=row_ok[:, None])
-        tl.store(lse_ptr + part, lse, mask=row_ok)
+        tl.store(o_part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=row_ok[:, None])
+        tl.store(lse_part_ptr + part, lse, mask=row_ok)
+        # The last split of this row block to finish combines them all: every thread's stores are done before the
+        # arrival is counted (release), and the combining program reads the others' after it (acquire).
+        tl.debug_barrier()
+        arrival = pid_bhk * tl.num_programs(2) + pid_r
+        if tl.atomic_add(arrivals_ptr + arrival, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            tl.debug_barrier()
+            o, lse = _combine_splits(o_part_ptr, lse_part_ptr, (pid_bhk * SPLITS).to(tl.int64) * ROWS + rows,
+                                     ROWS, SPLITS, row_ok, offs_d, BLOCK_D)
+            tl.atomic_xchg(arrivals_ptr + arrival, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            _store_rows(o, lse, o_ptr, lse_ptr, b, q_head, q_idx, row_ok, offs_d, D, stride_ob, stride_oh,
+                        stride_os, stride_od, stride_lb, stride_lh, STORE_LSE)
     else:
-        o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + q_head[:, None].to(tl.int64) * stride_oh
-                  + q_idx[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od)
-        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
-        if STORE_LSE:
-            tl.store(lse_ptr + b.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh + q_idx, lse,
-                     mask=row_ok)
+        _store_rows(o, lse, o_ptr, lse_ptr, b, q_head, q_idx, row_ok, offs_d, D, stride_ob, stride_oh, stride_os,
+                    stride_od, stride_lb, stride_lh, STORE_LSE)
 
 
-@triton.jit(do_not_specialize=["Sq"])
-def _kvcache_combine_kernel(
-    o_part_ptr, lse_part_ptr,  # (B * Hkv * SPLITS * ROWS, BLOCK_D) and (B * Hkv * SPLITS * ROWS,) fp32
-    o_ptr,  # (B, Hq, Sq, D)
-    lse_ptr,  # (B, Hq, Sq) fp32 (STORE_LSE)
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lh,
-    Hkv, GROUP, Sq, D, SPLITS,
-    STORE_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid_r = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
-    b = pid_bhk // Hkv
-    hk = pid_bhk % Hkv
-    ROWS = GROUP * Sq
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < ROWS
-    offs_d = tl.arange(0, BLOCK_D)
-    first = (pid_bhk * SPLITS).to(tl.int64) * ROWS + rows
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+@triton.jit
+def _combine_splits(o_part_ptr, lse_part_ptr, first, ROWS, SPLITS, row_ok, offs_d, BLOCK_D: tl.constexpr):
+    """``(o, lse)`` of rows whose split ``s`` results sit at ``first + s * ROWS``: ``lse = log sum_s exp(lse_s)``,
+    ``o = sum_s exp(lse_s - lse) o_s``; an empty split (``lse_s = -inf``) weighs nothing. Loads bypass L1 (``.cg``):
+    the partials were written by other programs."""
+    m = tl.full(first.shape, float("-inf"), dtype=tl.float32)
     for s in range(SPLITS):
-        m = tl.maximum(m, tl.load(lse_part_ptr + first + s * ROWS, mask=row_ok, other=float("-inf")))
+        m = tl.maximum(m, tl.load(lse_part_ptr + first + s * ROWS, mask=row_ok, other=float("-inf"),
+                                  cache_modifier=".cg"))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros(first.shape, dtype=tl.float32)
+    acc = tl.zeros([first.shape[0], BLOCK_D], dtype=tl.float32)
     for s in range(SPLITS):
-        weight = tl.exp(tl.load(lse_part_ptr + first + s * ROWS, mask=row_ok, other=float("-inf")) - m_safe)
+        weight = tl.exp(tl.load(lse_part_ptr + first + s * ROWS, mask=row_ok, other=float("-inf"),
+                                cache_modifier=".cg") - m_safe)
         part = tl.load(o_part_ptr + (first + s * ROWS)[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None],
-                       other=0.0)
+                       other=0.0, cache_modifier=".cg")
         total += weight
         acc += weight[:, None] * part
     seen = ~(total == 0.0)
     safe_total = tl.where(seen, total, 1.0)
     o = tl.where(seen[:, None], acc / safe_total[:, None], 0.0)
-    q_head = hk * GROUP + rows // Sq
-    q_idx = rows % Sq
+    return o, tl.where(seen, m + tl.log(safe_total), float("-inf"))
+
+
+@triton.jit
+def _store_rows(o, lse, o_ptr, lse_ptr, b, q_head, q_idx, row_ok, offs_d, D, stride_ob, stride_oh, stride_os, stride_od,
+                stride_lb, stride_lh, STORE_LSE: tl.constexpr):
+    """Rows ``(q_head, q_idx)`` of sequence ``b``'s output (in its dtype) and, with ``STORE_LSE``, their lse."""
     o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + q_head[:, None].to(tl.int64) * stride_oh
               + q_idx[:, None].to(tl.int64) * stride_os + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
     if STORE_LSE:
-        lse = tl.where(seen, m + tl.log(safe_total), float("-inf"))
         tl.store(lse_ptr + b.to(tl.int64) * stride_lb + q_head.to(tl.int64) * stride_lh + q_idx, lse, mask=row_ok)

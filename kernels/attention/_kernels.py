@@ -169,6 +169,27 @@ def _key_range(m0, Sk, lo_shift, hi_shift, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl
 
 
 @triton.jit
+def _online_softmax_step(qk, seen, m_i, l_i, scale_log2, MASKED: tl.constexpr):
+    """One key block of the online softmax in base 2: ``(p, alpha, m_new, l_new)`` for raw scores ``qk``, the row
+    maxima and sums so far, and (``MASKED``) which scores count (``seen``). ``p`` is unnormalised, ``alpha`` rescales
+    what was accumulated before; the sum counts every probability (dropout comes after)."""
+    if MASKED:
+        s = tl.where(seen, qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_new_safe[:, None])
+    else:
+        # The scale is >= 0 and rounding is monotonic, so max(qk) * scale == max(qk * scale): scaling the
+        # row maximum instead of every score leaves one fused multiply-add per score (scale, subtract).
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
+        m_new_safe = m_new
+        p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, start, end, offs_m, offs_n, offs_d,
     Sk, D, lo_shift, hi_shift, scale_log2,
@@ -181,21 +202,11 @@ def _attn_fwd_inner(
         cols = start_n + offs_n
         k = _load_rows(k_base, cols, stride_ks, offs_d, stride_kd, Sk, D, MASKED, EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        seen = None
         if MASKED:
-            s = tl.where(cols[None, :] < Sk, qk * scale_log2, float("-inf"))
-            s = _apply_window(s, offs_m[:, None], cols[None, :], lo_shift, hi_shift, float("-inf"), HAS_LEFT, HAS_RIGHT)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN.
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_new_safe[:, None])
-        else:
-            # The scale is >= 0 and rounding is monotonic, so max(qk) * scale == max(qk * scale): scaling the
-            # row maximum instead of every score leaves one fused multiply-add per score (scale, subtract).
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2)
-            m_new_safe = m_new
-            p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)  # the normaliser counts dropped probabilities too
+            seen = _apply_window(cols[None, :] < Sk, offs_m[:, None], cols[None, :], lo_shift, hi_shift, False,
+                                 HAS_LEFT, HAS_RIGHT)
+        p, alpha, m_new, l_i = _online_softmax_step(qk, seen, m_i, l_i, scale_log2, MASKED)
         if DROPOUT:
             keep = _dropout_keep(m0, start_n, bh, seed_lo, seed_hi, threshold, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p * inv_keep, 0.0)

@@ -354,9 +354,11 @@ def preprocess_block_m(bd: int) -> int:
 
 # --- decoding against a KV cache (kernels/attention/_decode.py) -----------------------------------------------
 
-#: programs the split-KV kernel aims for per SM: one, each streaming its chunk of keys through a pipelined loop;
-#: the split count rounds down, so that the programs fit one wave (a second, partial wave doubles the time)
-DECODE_PROGRAMS_PER_SM = 1
+#: programs the split-KV kernel aims for per SM, contiguous and paged caches: a contiguous cache's program keeps two
+#: K/V blocks in flight (up to 192 KiB of shared memory: one program per SM), a paged one's loop loads the page
+#: numbers one stage ahead of K and V and keeps one (74 KiB: two programs per SM fit, and they hide each other's
+#: latency). The split count rounds down, so that the programs fit one wave (a partial second wave doubles the time)
+DECODE_PROGRAMS_PER_SM = {False: 1, True: 2}
 #: a split covers at least this many key blocks of the cache's capacity, so that its query load and partial
 #: results stay small beside its share of K and V
 DECODE_MIN_BLOCKS_PER_SPLIT = 4
@@ -368,10 +370,10 @@ class DecodePlan(NamedTuple):
     block_n: int  # keys per block
     num_warps: int
     num_stages: int
-    splits: int  # key splits per (batch, key/value head); 1: no combine kernel
+    splits: int  # key splits per (batch, key/value head); 1: nothing to combine
 
 
-def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int,
+def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int, paged: bool,
                  multiprocessors: int) -> DecodePlan:
     bd = block_d(d)
     row_tile = min(64, block_d(rows))
@@ -384,7 +386,8 @@ def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtyp
     stages = max(1, min(3, budget // (key_tile * key_bytes * 2)))
     programs = batch * kv_heads * cdiv(rows, row_tile)
     useful = cdiv(cdiv(capacity, key_tile), DECODE_MIN_BLOCKS_PER_SPLIT)
-    splits = max(1, min(DECODE_PROGRAMS_PER_SM * multiprocessors // max(programs, 1), useful, DECODE_MAX_SPLITS))
+    splits = max(1, min(DECODE_PROGRAMS_PER_SM[paged] * multiprocessors // max(programs, 1), useful,
+                        DECODE_MAX_SPLITS))
     return DecodePlan(row_tile, key_tile, 4, stages, splits)
 
 
@@ -392,13 +395,13 @@ _decode_plan_cached = functools.lru_cache(maxsize=1024)(_decode_plan)
 _adjust_decode: Callable[[DecodePlan], DecodePlan] | None = None
 
 
-def decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int,
+def decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int, paged: bool,
                 multiprocessors: int) -> DecodePlan:
     """Tiles and split count of a KV-cache call: ``rows = (Hq // Hkv) * Sq`` query rows per key/value head, a cache
-    of ``capacity`` positions per sequence, on a GPU of ``multiprocessors`` SMs. The split count comes from the
-    shapes only (enough programs for ``DECODE_PROGRAMS_PER_SM`` per SM, each split at least
+    of ``capacity`` positions per sequence (``paged`` or contiguous), on a GPU of ``multiprocessors`` SMs. The split
+    count comes from the shapes only (``DECODE_PROGRAMS_PER_SM`` programs per SM, each split at least
     ``DECODE_MIN_BLOCKS_PER_SPLIT`` key blocks of the capacity), never from the lengths, which live on the GPU."""
-    plan = _decode_plan_cached(batch, kv_heads, rows, d, dtype, capacity, multiprocessors)
+    plan = _decode_plan_cached(batch, kv_heads, rows, d, dtype, capacity, paged, multiprocessors)
     return _adjust_decode(plan) if _adjust_decode is not None else plan
 
 

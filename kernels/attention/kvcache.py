@@ -11,9 +11,9 @@ import torch
 
 import reference.attention as twin
 from kernels._common import backend_for, cdiv, check_float_dtype, check_same_device, check_tensor, kernel_for
-from kernels._common.launch import multiprocessor_count
+from kernels._common.launch import current_stream_handle, multiprocessor_count
 from kernels.attention import configs
-from kernels.attention._decode import _kvcache_append_kernel, _kvcache_attn_kernel, _kvcache_combine_kernel
+from kernels.attention._decode import _kvcache_append_kernel, _kvcache_attn_kernel
 from kernels.attention.ops import _precision, _scale, _window
 
 #: new tokens per program of the append kernel
@@ -86,6 +86,26 @@ def _page_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(cache.stride())
 
 
+#: arrival counters of the split kernel, zero between calls (the combining program resets its own), kept per
+#: (device, stream): calls on one stream run in order, so they never share a counter at once
+_ARRIVALS: dict[tuple, torch.Tensor] = {}
+_ARRIVALS_LIMIT = 16
+
+
+def _arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` int32 zeros for the split kernel's arrival counts: from the per-stream cache, or fresh
+    during CUDA graph capture (the graph keeps the zeroing with the addresses it captured)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    key = (device, current_stream_handle(device))
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < count:
+        if counters is None and len(_ARRIVALS) >= _ARRIVALS_LIMIT:
+            _ARRIVALS.clear()
+        counters = _ARRIVALS[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return counters
+
+
 def _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity: int) -> None:
     batch, kv_heads, new_tokens, d = k.shape
     bd = configs.block_d(d)
@@ -118,8 +138,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     (B, Hq, Sq) fp32.
 
     Split-KV ("flash decoding"): the keys of each (sequence, key/value head) are split across programs, each
-    computing every query head of the GQA group from one read of its K/V share, and a second small kernel
-    combines the partial results; the split count comes from the shapes and the SM count
+    computing every query head of the GQA group from one read of its K/V share, and the last split to finish
+    combines the partial results; the split count comes from the shapes, the SM count and the cache's kind
     (``kernels.attention.configs.decode_plan``). No host synchronisation: a call can be captured in a CUDA graph.
     The lengths are read on the GPU, so they are not checked here: ``cache_seqlens[b] + Sq_new`` is clamped to the
     cache's capacity (``S_max``, or ``max_blocks * block_size``) and at 0, and block-table entries must name pages
@@ -145,33 +165,27 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     group = heads // kv_heads
     rows = group * sq
     multiprocessors = multiprocessor_count(q.device.index or 0) if q.is_cuda else 4
-    plan = configs.decode_plan(batch, kv_heads, rows, d, q.dtype, capacity, multiprocessors)
-    bd = configs.block_d(d)
     paged = block_table is not None
+    plan = configs.decode_plan(batch, kv_heads, rows, d, q.dtype, capacity, paged, multiprocessors)
+    bd = configs.block_d(d)
     table = block_table if paged else cache_seqlens
     split = plan.splits > 1
+    row_blocks = cdiv(rows, plan.block_m)
     if split:
         parts = batch * kv_heads * plan.splits * rows
-        o_out = torch.empty((parts, bd), dtype=torch.float32, device=q.device)
-        lse_out = torch.empty((parts,), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((parts, bd), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((parts,), dtype=torch.float32, device=q.device)
+        arrivals = _arrivals(q.device, batch * kv_heads * row_blocks)
     else:
-        o_out, lse_out = o, lse if return_lse else o
-    lse_strides = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
-    grid = (batch * kv_heads, plan.splits, cdiv(rows, plan.block_m))
-    kernel_for(_kvcache_attn_kernel, traceable=False)[grid](
-        q, k_cache, v_cache, o_out, lse_out, cache_seqlens, table, table.stride(0) if paged else 0,
-        *q.stride(), *_page_strides(k_cache), *_page_strides(v_cache), *o.stride(), *lse_strides,
+        o_part = lse_part = arrivals = None
+    kernel_for(_kvcache_attn_kernel, traceable=False)[(batch * kv_heads, plan.splits, row_blocks)](
+        q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens, table,
+        table.stride(0) if paged else 0, *q.stride(), *_page_strides(k_cache), *_page_strides(v_cache), *o.stride(),
+        *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
         kv_heads, group, sq, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
         scale * 1.4426950408889634, left, right, plan.splits,
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd, DOT_PRECISION=_precision(q.dtype),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if split:
-        row_tile = min(64, max(16, 8192 // bd))
-        kernel_for(_kvcache_combine_kernel, traceable=False)[(cdiv(rows, row_tile), batch * kv_heads)](
-            o_out, lse_out, o, lse if return_lse else lse_out, *o.stride(), *lse_strides,
-            kv_heads, group, sq, d, plan.splits,
-            STORE_LSE=return_lse, BLOCK_R=row_tile, BLOCK_D=bd, num_warps=4,
-        )
     return (o, lse) if return_lse else o
