@@ -82,10 +82,6 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> int:
     return capacity
 
 
-def _page_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
-    return tuple(cache.stride())
-
-
 #: arrival counters of the split kernel, zero between calls (the combining program resets its own), kept per
 #: (device, stream): calls on one stream run in order, so they never share a counter at once
 _ARRIVALS: dict[tuple, torch.Tensor] = {}
@@ -114,7 +110,7 @@ def _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity: int) -
     grid = (cdiv(new_tokens, _APPEND_TOKENS), batch * kv_heads)
     kernel_for(_kvcache_append_kernel, traceable=False)[grid](
         k, v, k_cache, v_cache, cache_seqlens, table, table.stride(0) if paged else 0,
-        *k.stride(), *v.stride(), *_page_strides(k_cache), *_page_strides(v_cache),
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         kv_heads, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
         PAGED=paged, BLOCK_T=_APPEND_TOKENS, BLOCK_D=bd, num_warps=4,
     )
@@ -180,7 +176,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
         o_part = lse_part = arrivals = None
     kernel_for(_kvcache_attn_kernel, traceable=False)[(batch * kv_heads, plan.splits, row_blocks)](
         q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens, table,
-        table.stride(0) if paged else 0, *q.stride(), *_page_strides(k_cache), *_page_strides(v_cache), *o.stride(),
+        table.stride(0) if paged else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride(),
         *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
         kv_heads, group, sq, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
         scale * 1.4426950408889634, left, right, plan.splits,
