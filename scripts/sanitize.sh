@@ -11,7 +11,7 @@
 # split into shards (FK_TEST_SHARD, see tests/conftest.py) that run as processes side by side, so that
 # the slowest one ends within about ten minutes. Writes $OUT/sanitize.txt (each run's "passed" and
 # "SUMMARY" lines) and $OUT/sanitize-logs.txt (the head and tail of every run). Knobs: SANITIZE_TIMEOUT (seconds
-# per run, default 540), FAMILIES (default "dropout layernorm attention"), SHARDS_<family>_<tool>
+# per run, default 540), FAMILIES (default "dropout layernorm attention kvcache"), SHARDS_<family>_<tool>
 # (shards of one slice; defaults below), RUNS (only these runs, named <tool>-<family>-<shard>, e.g.
 # "racecheck-layernorm-0 memcheck-attention-2"; default: every shard), SANITIZE_ARGS (extra
 # compute-sanitizer options, e.g. "--racecheck-report hazard --print-limit 20" for the values each
@@ -24,11 +24,12 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 tools=("$@")
 [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck)
-read -r -a families <<< "${FAMILIES:-dropout layernorm attention}"
+read -r -a families <<< "${FAMILIES:-dropout layernorm attention kvcache}"
 
 declare -A slice=(
   [dropout]="tests/test_dropout.py -k kernel_equals_twin or gradient_is_the_regenerated or non_contiguous or inplace or empty"
   [layernorm]="tests/test_layernorm.py -k kernel_equals_twin or width_one or non_contiguous or empty_batch or (lock_mode and 4096-512) or (deterministic_mode and 4096-1024)"
+  [kvcache]="tests/test_attention_kvcache.py -k contiguous_cache or paged_cache or split_counts or strided or clamped"
   [attention]="tests/test_attention.py -k block_boundaries or rows_that_see_no_key or dropout_mask_equals or (head_dims_that_are_not and not 512 and not 1000 and not 1024) or (varlen_equals and float16 and not bfloat16)"
 )
 # racecheck instruments every shared-memory access and runs several times slower than memcheck

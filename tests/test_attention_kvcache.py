@@ -169,7 +169,9 @@ def test_decode_plan_splits_from_the_gpu_and_the_shapes():
     assert configs.decode_plan(1, 1, 1, 128, torch.bfloat16, 1 << 20, False, 132).splits == configs.DECODE_MAX_SPLITS
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 66).splits == 8
     assert configs.decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, False, 132).splits == 5  # 120 programs, not 144
-    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, True, 132).splits == 33  # paged: 2 per SM
+    # paged: 2 per SM would be 33 splits, but 256 key blocks in chunks of 8 fill 32 of them: the empty one is dropped
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, True, 132).splits == 32
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 30000, True, 132).splits == 30  # 235 blocks, 8 each
     wide = configs.decode_plan(1, 8, 4, 1024, torch.float32, 4096, False, 132)
     assert wide.block_n == 16 and wide.num_stages == 1 and wide.block_m == 16  # 128 KiB of K and V per stage
 

@@ -385,9 +385,12 @@ def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtyp
     budget = (192 if bd <= 256 else 128) * 1024
     stages = max(1, min(3, budget // (key_tile * key_bytes * 2)))
     programs = batch * kv_heads * cdiv(rows, row_tile)
-    useful = cdiv(cdiv(capacity, key_tile), DECODE_MIN_BLOCKS_PER_SPLIT)
-    splits = max(1, min(DECODE_PROGRAMS_PER_SM[paged] * multiprocessors // max(programs, 1), useful,
-                        DECODE_MAX_SPLITS))
+    blocks = cdiv(capacity, key_tile)
+    splits = max(1, min(DECODE_PROGRAMS_PER_SM[paged] * multiprocessors // max(programs, 1),
+                        cdiv(blocks, DECODE_MIN_BLOCKS_PER_SPLIT), DECODE_MAX_SPLITS))
+    # a full cache gives each split cdiv(blocks, splits) blocks; the splits that would be left empty are dropped, as
+    # they only lengthen the combine (33 splits of 256 blocks: the 33rd gets none)
+    splits = cdiv(blocks, cdiv(blocks, splits)) if blocks else 1
     return DecodePlan(row_tile, key_tile, 4, stages, splits)
 
 
@@ -400,7 +403,8 @@ def decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype
     """Tiles and split count of a KV-cache call: ``rows = (Hq // Hkv) * Sq`` query rows per key/value head, a cache
     of ``capacity`` positions per sequence (``paged`` or contiguous), on a GPU of ``multiprocessors`` SMs. The split
     count comes from the shapes only (``DECODE_PROGRAMS_PER_SM`` programs per SM, each split at least
-    ``DECODE_MIN_BLOCKS_PER_SPLIT`` key blocks of the capacity), never from the lengths, which live on the GPU."""
+    ``DECODE_MIN_BLOCKS_PER_SPLIT`` key blocks of the capacity, no more splits than a full cache fills), never from the
+    lengths, which live on the GPU."""
     plan = _decode_plan_cached(batch, kv_heads, rows, d, dtype, capacity, paged, multiprocessors)
     return _adjust_decode(plan) if _adjust_decode is not None else plan
 
