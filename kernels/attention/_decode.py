@@ -46,7 +46,7 @@ at Sq <= 16. The row tile is at least 16 (the MMA's M): a decode step with a GQA
 import triton
 import triton.language as tl
 
-from kernels.attention._kernels import _apply_window, _online_softmax_step
+from kernels.attention._kernels import _apply_window, _load_tile, _online_softmax_step
 
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -127,25 +127,14 @@ def _kvcache_attn_inner(
         v_rows = _cache_row_offsets(cols, table_row, block_size, stride_vpage, stride_vs, L, PAGED, MASKED)
         k_ptrs = k_head + k_rows[:, None] + offs_d[None, :] * stride_kd
         v_ptrs = v_head + v_rows[:, None] + offs_d[None, :] * stride_vd
-        if MASKED:
-            kv_mask = (cols < L)[:, None] & (offs_d < D)[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        k = _load_tile(k_ptrs, cols, L, offs_d, D, MASKED, EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         seen = None
         if MASKED:
             seen = _apply_window(cols[None, :] < L, q_idx[:, None], cols[None, :], lo_shift, hi_shift, False,
                                  HAS_LEFT, HAS_RIGHT)
         p, alpha, m_new, l_i = _online_softmax_step(qk, seen, m_i, l_i, scale_log2, MASKED)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        v = _load_tile(v_ptrs, cols, L, offs_d, D, MASKED, EVEN_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i

@@ -73,7 +73,14 @@ def _seq_bounds(cu_seqlens_ptr, b, length, VARLEN: tl.constexpr):
 @triton.jit
 def _load_rows(base, rows, stride_s, offs_d, stride_d, n_rows, D, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
     """Rows ``rows`` x dims ``offs_d`` of one head; masks only what may be out of range (zeros there)."""
-    ptrs = base + rows[:, None] * stride_s + offs_d[None, :] * stride_d
+    return _load_tile(base + rows[:, None] * stride_s + offs_d[None, :] * stride_d, rows, n_rows, offs_d, D,
+                      ROW_MASK, EVEN_D)
+
+
+@triton.jit
+def _load_tile(ptrs, rows, n_rows, offs_d, D, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """The (rows x dims) tile at ``ptrs``, masked only where it may be out of range: rows at or past ``n_rows``
+    (``ROW_MASK``) and dims at or past ``D`` (unless ``EVEN_D``); zeros there."""
     if ROW_MASK:
         if EVEN_D:
             tile = tl.load(ptrs, mask=(rows < n_rows)[:, None], other=0.0)
