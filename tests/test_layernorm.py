@@ -328,6 +328,29 @@ def test_chunked_forward_with_persistent_programs(kind):
     assert configs.forward(n)["SINGLE_PASS"]  # the override is gone with the block
 
 
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_load_order_and_cache_hints_change_no_bit(kind, dtype):
+    """w and b loaded with the rows (``AFFINE_FIRST``) or after the reductions, with or without L2 eviction hints
+    (``STREAM_HINTS``): the same y, mean and rstd, bit for bit."""
+    from kernels.layernorm import configs
+
+    inputs = {m: _inputs(m, n, dtype)[:3] for m, n in ((5, 100), (3, 1000))}
+    outputs = {}
+    for first, hints in ((False, False), (True, True)):
+        with configs.override(fwd_affine_first=(128, 1024) if first else (),
+                              fwd_hints_l2_fraction=1e9 if hints else 0.0):
+            for m, (x, w, b) in inputs.items():
+                n = x.shape[1]
+                cfg = configs.forward(n)
+                assert cfg["AFFINE_FIRST"] is first
+                assert configs.forward_stream_hints(m, n, cfg, x.element_size(), l2_bytes=2**20) is hints
+                outputs[first, m] = ops._norm_fwd_impl(x, w, b if kind == "layer" else None, 1e-5, kind == "rms")
+    for m in (5, 3):
+        for got, want in zip(outputs[True, m], outputs[False, m], strict=True):
+            assert torch.equal(got, want)
+
+
 # --- the twin of residual + dropout + norm --------------------------------------------------------------
 
 ADD_DROPOUT_NORM_CASES = [

@@ -3,7 +3,9 @@
 Implements:
 - ``_layer_norm_fwd_kernel``: per row, mean and 1/std in fp32; writes y, mean, rstd. Register path:
   a ``BLOCK_M x BLOCK_N`` tile holds several short rows at once (small N is neither launch- nor
-  latency-bound). Chunked path (rows wider than one tile): persistent programs, as many as keep their
+  latency-bound); ``AFFINE_FIRST`` loads w and b with the rows, since after the row reductions their latency
+  sits between the reductions' barriers and the store (registers held longer, hence not for the widest rows),
+  and ``STREAM_HINTS`` marks rows to leave L2 first and w, b last (for calls that fit in L2). Chunked path (rows wider than one tile): persistent programs, as many as keep their
   rows in flight within half of L2; pass 1 merges per-chunk mean and M2 (Chan, Golub and LeVeque's
   parallel variance), pass 2 re-reads the row from L2 (last chunk first) and writes y.
 - ``_layer_norm_bwd_kernel`` (rows up to one tile): programs own contiguous row ranges; each computes
@@ -58,13 +60,30 @@ from kernels._common.philox import (
 
 
 @triton.jit
-def _affine_store(xhat, y_rows, w_ptr, b_ptr, cols, mask, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``y = xhat * w + b`` over ``cols`` (fp32), stored in y's dtype at row pointers ``y_rows``."""
+def _load_affine(w_ptr, b_ptr, cols, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 STREAM_HINTS: tl.constexpr = False):
+    """``(w, b)`` over ``cols`` in fp32 (zeros, never read, where the norm has none). ``STREAM_HINTS``: kept in L2
+    as long as possible (every program reads them, while each row is read once)."""
+    w = tl.zeros(cols.shape, tl.float32)
+    b = tl.zeros(cols.shape, tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0,
+                    eviction_policy="evict_last" if STREAM_HINTS else "").to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=cols < N, other=0.0,
+                    eviction_policy="evict_last" if STREAM_HINTS else "").to(tl.float32)
+    return w, b
+
+
+@triton.jit
+def _affine_store(xhat, y_rows, w, b, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``y = xhat * w + b`` over ``cols`` (fp32; ``w``, ``b`` from ``_load_affine``), stored in y's dtype at row
+    pointers ``y_rows``."""
     y = xhat
     if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y = y * w[None, :]
     if HAS_BIAS:
-        y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        y = y + b[None, :]
     tl.store(y_rows + cols[None, :], y.to(y_rows.dtype.element_ty), mask=mask)
 
 
@@ -92,20 +111,30 @@ def _row_sum_of_squares(v):
 @triton.jit
 def _norm_tile_fwd(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row0, M, N, stride_x_row, stride_y_row, eps,
                    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Rows ``row0 .. row0 + BLOCK_M`` held in registers (``BLOCK_N >= N``): statistics, y, mean and rstd."""
+                   BLOCK_N: tl.constexpr, AFFINE_FIRST: tl.constexpr = False, STREAM_HINTS: tl.constexpr = False):
+    """Rows ``row0 .. row0 + BLOCK_M`` held in registers (``BLOCK_N >= N``): statistics, y, mean and rstd.
+    ``AFFINE_FIRST``: w and b are loaded with the rows, so that their latency is not paid after the row
+    reductions (whose barriers no load crosses); it holds them in registers meanwhile. ``STREAM_HINTS``: the rows
+    leave L2 first, w and b last."""
     cols = tl.arange(0, BLOCK_N)
     rows = row0 + tl.arange(0, BLOCK_M)
     mask = (rows < M)[:, None] & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_first" if STREAM_HINTS else "")
+    w = None  # loaded after the reductions (_norm_rows_fwd)
+    b = None
+    if AFFINE_FIRST:
+        w, b = _load_affine(w_ptr, b_ptr, cols, N, HAS_WEIGHT, HAS_BIAS, STREAM_HINTS)
     _norm_rows_fwd(x.to(tl.float32), y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, M, N, stride_y_row, eps, IS_RMS,
-                   HAS_WEIGHT, HAS_BIAS, BLOCK_N)
+                   HAS_WEIGHT, HAS_BIAS, BLOCK_N, w, b, AFFINE_FIRST)
 
 
 @triton.jit
 def _norm_rows_fwd(x, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, M, N, stride_y_row, eps, IS_RMS: tl.constexpr,
-                   HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The norm of rows ``rows`` already in registers (``x`` fp32, 0 outside the rows): y, mean, rstd."""
+                   HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, w=None, b=None,
+                   AFFINE_LOADED: tl.constexpr = False):
+    """The norm of rows ``rows`` already in registers (``x`` fp32, 0 outside the rows): y, mean, rstd. ``w`` and
+    ``b`` come loaded when ``AFFINE_LOADED``, else they are loaded here, after the reductions."""
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
     mask = row_mask[:, None] & (cols[None, :] < N)
@@ -117,7 +146,9 @@ def _norm_rows_fwd(x, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, M, N, strid
         xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.div_rn(_row_sum_of_squares(xc), N * 1.0) + eps)
     y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y_row
-    _affine_store(xc * rstd[:, None], y_rows, w_ptr, b_ptr, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
+    if not AFFINE_LOADED:
+        w, b = _load_affine(w_ptr, b_ptr, cols, N, HAS_WEIGHT, HAS_BIAS)
+    _affine_store(xc * rstd[:, None], y_rows, w, b, cols, mask, HAS_WEIGHT, HAS_BIAS)
     _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS)
 
 
@@ -141,11 +172,14 @@ def _layer_norm_fwd_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_PASS: tl.constexpr,  # BLOCK_N >= N: the rows stay in registers
     LOOP_STAGES: tl.constexpr = 1,  # software-pipelining depth of the chunked path's two loops
+    AFFINE_FIRST: tl.constexpr = False,  # register path: w and b loaded with the rows (see _norm_tile_fwd)
+    STREAM_HINTS: tl.constexpr = False,  # register path: L2 eviction hints (rows first out, w and b last)
 ):
     cols = tl.arange(0, BLOCK_N)
     if SINGLE_PASS:
         _norm_tile_fwd(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, tl.program_id(0) * BLOCK_M, M, N,
-                       stride_x_row, stride_y_row, eps, IS_RMS, HAS_WEIGHT, HAS_BIAS, BLOCK_M, BLOCK_N)
+                       stride_x_row, stride_y_row, eps, IS_RMS, HAS_WEIGHT, HAS_BIAS, BLOCK_M, BLOCK_N, AFFINE_FIRST,
+                       STREAM_HINTS)
     else:
         # Persistent programs (the launcher sizes the grid so that the rows in flight fit in L2): pass 2
         # re-reads each row from L2, last chunk first (the most recently read).
@@ -177,8 +211,8 @@ def _layer_norm_fwd_kernel(
                 c = (n_chunks - 1 - i) * BLOCK_N + cols
                 mask = row_mask[:, None] & (c[None, :] < N)
                 x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                _affine_store((x - mean[:, None]) * rstd[:, None], y_rows, w_ptr, b_ptr, c, mask, N, HAS_WEIGHT,
-                              HAS_BIAS)
+                w, b = _load_affine(w_ptr, b_ptr, c, N, HAS_WEIGHT, HAS_BIAS)
+                _affine_store((x - mean[:, None]) * rstd[:, None], y_rows, w, b, c, mask, HAS_WEIGHT, HAS_BIAS)
             _store_row_stats(mean_ptr, rstd_ptr, rows, row_mask, mean, rstd, IS_RMS)
 
 

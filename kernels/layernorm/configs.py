@@ -5,9 +5,11 @@ count and L2 size) by the functions below, from the settings in :class:`Settings
 decision with its reason. The measurements behind them are in the family's ``TUNING.md``.
 
 - **forward**: rows up to ``max_fused_fwd`` elements stay in registers, several rows per program when
-  rows are short (a tile of about ``fwd_tile`` elements, ``fwd_elements_per_thread`` per thread); wider
-  rows are read in chunks of ``chunk`` by persistent programs whose rows in flight fit in L2, so the
-  second pass over a row reads it from L2.
+  rows are short (a tile of about ``fwd_tile`` elements, ``fwd_elements_per_thread`` per thread; measured
+  rows and warps for the widths in ``fwd_row_tiles``); w and b load with the rows at the widths in
+  ``fwd_affine_first``, and a call whose traffic fits in L2 marks the rows to leave it first; wider rows are
+  read in chunks of ``chunk`` by persistent programs whose rows in flight fit in L2, so the second pass over
+  a row reads it from L2.
 - **backward, rows up to ``max_fused_bwd``**: tiles of about ``bwd_tile`` elements,
   ``min(row tiles, programs_per_sm * SMs)`` programs, each owning a contiguous range of rows and adding
   its partial dW/dB once into one of ``min(programs, max_group_size_m)`` fp32 buffers under a lock (one
@@ -54,6 +56,16 @@ class Settings:
     fwd_elements_per_thread: int = 64  # a 64-element strip per thread keeps many 16-byte loads in flight
     fwd_min_warps: int = 4  # at least 4 warps per program for rows over fwd_narrow ...
     fwd_narrow: int = 2048  # ... and 2 for rows up to this width, so more programs fit per SM
+    # (padded width, rows, warps) measured faster than the rule above, on the device time of M = 4096 rows and at
+    # M * N = 2^27 alike (H100, bf16): fewer rows or more warps per program at these widths.
+    fwd_row_tiles: tuple[tuple[int, int, int], ...] = ((1024, 2, 2), (2048, 1, 4), (4096, 1, 8))
+    # Padded widths whose programs load w and b with the rows, before the row reductions: after them the loads
+    # wait out their latency behind the reductions' barriers (0.93-0.97x at M = 4096). From 16384 the registers
+    # they hold meanwhile cost more than that (0.74-0.78x at 16 warps).
+    fwd_affine_first: tuple[int, ...] = (1024, 2048, 4096, 8192)
+    # A call whose x and y fit in this fraction of L2 loads the rows to leave L2 first and w and b last: measured
+    # 1.03-1.07x at M = 4096, N <= 2048 (16-32 MB), 0.98-0.99x on calls of 256 MB.
+    fwd_hints_l2_fraction: float = 1.0
     chunk: int = 8192  # chunked forward: elements per chunk of a wide row (and per row-terms step)
     chunk_warps: int = 8
     chunk_loop_stages: int = 3  # software pipelining of the chunk loop
@@ -127,7 +139,11 @@ def _forward(n) -> dict:
     block_m = max(1, min(64, s.fwd_tile // block_n))
     min_warps = 2 if block_n <= s.fwd_narrow else s.fwd_min_warps
     num_warps = max(min_warps, min(32, block_m * block_n // (32 * s.fwd_elements_per_thread)))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_PASS": True, "LOOP_STAGES": 1, "num_warps": num_warps}
+    for width, rows, warps in s.fwd_row_tiles:
+        if width == block_n:
+            block_m, num_warps = rows, warps
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE_PASS": True, "LOOP_STAGES": 1, "num_warps": num_warps,
+            "AFFINE_FIRST": block_n in s.fwd_affine_first}
 
 
 def add_dropout_norm_forward(n, dropout: bool = True) -> dict:
@@ -183,6 +199,16 @@ def forward(n) -> dict:
     """Launch parameters of the forward for rows of ``n``: one shared dict per plain-int ``n`` (never mutate
     it); computed afresh for a symbolic ``n`` (torch.compile with dynamic shapes)."""
     return _forward_cached(n) if type(n) is int else _forward(n)
+
+
+def forward_stream_hints(m, n, cfg: dict, elt_size: int, device_index: int = 0, *, l2_bytes: int | None = None) -> bool:
+    """Whether a register-path forward of ``m`` rows of ``n`` marks its rows to leave L2 first (and w and b last):
+    when x and y together fit in ``fwd_hints_l2_fraction`` of L2. False for the chunked path, which re-reads rows
+    from L2, and for a symbolic ``m`` (torch.compile with dynamic shapes: no guard on the row count)."""
+    if not cfg["SINGLE_PASS"] or type(m) is not int or type(n) is not int:
+        return False
+    l2_bytes = l2_cache_bytes(device_index) if l2_bytes is None else l2_bytes
+    return 2 * m * n * elt_size <= _active.fwd_hints_l2_fraction * l2_bytes
 
 
 def forward_programs(m: int, n: int, cfg: dict, elt_size: int, device_index: int = 0, *, sms: int | None = None,
@@ -272,13 +298,14 @@ def table(m: int = 4096, sms: int = 132, l2_bytes: int = 50 * 2**20, elt_size: i
     """What ``python -m kernels.layernorm`` prints: the choices for a grid of widths at ``m`` rows (and at
     M·N = 2^27) on a GPU of ``sms`` SMs and ``l2_bytes`` of L2 (default: an H100/H200), 16-bit inputs."""
     lines = [f"{sms} SMs, {l2_bytes >> 20} MiB L2, {8 * elt_size}-bit inputs",
-             f"{'M':>7} {'N':>6}  {'forward (rows/prog, block, warps) x programs':<46} backward"]
+             f"{'M':>7} {'N':>6}  {'forward (rows/prog, block, warps) x programs':<58} backward"]
     for n in (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
         for rows in sorted({m, 2**27 // n}):
             f = forward(n)
             fwd = (f"({f['BLOCK_M']}, {f['BLOCK_N']}, {f['num_warps']}w) x "
                    f"{forward_programs(rows, n, f, elt_size, sms=sms, l2_bytes=l2_bytes)}"
-                   + ("" if f["SINGLE_PASS"] else " chunked"))
+                   + ("" if f["SINGLE_PASS"] else " chunked") + (", wb first" if f.get("AFFINE_FIRST") else "")
+                   + (", hints" if forward_stream_hints(rows, n, f, elt_size, l2_bytes=l2_bytes) else ""))
             if fused_backward(n):
                 b = backward(n)
                 programs, per_program, slots = backward_grid(rows, b, sms, deterministic=False)
@@ -289,5 +316,5 @@ def table(m: int = 4096, sms: int = 132, l2_bytes: int = 50 * 2**20, elt_size: i
                 bwd = (f"wide: {cols} column blocks x {lanes} lanes of {w['BLOCK_M']}-row tiles, {w['num_warps']}w, "
                        f"{w['maxnreg']} registers"
                        + ("" if exchange else ", two launches"))
-            lines.append(f"{rows:>7} {n:>6}  {fwd:<46} {bwd}")
+            lines.append(f"{rows:>7} {n:>6}  {fwd:<58} {bwd}")
     return "\n".join(lines)

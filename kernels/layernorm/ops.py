@@ -141,11 +141,13 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, tracea
 
     def launch():
         cfg = configs.forward(n)
-        grid = (configs.forward_programs(m, n, cfg, x.element_size(), x.device.index or 0),)
+        device_index = x.device.index or 0
+        grid = (configs.forward_programs(m, n, cfg, x.element_size(), device_index),)
         kernel_for(_layer_norm_fwd_kernel, traceable=traceable)[grid](
             x, y, _or_unused(weight, x, traceable), _or_unused(bias, x, traceable),
             _or_unused(None if is_rms else mean, x, traceable), rstd, m, n, stride_x, n, eps,
-            IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, **cfg,
+            IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            STREAM_HINTS=configs.forward_stream_hints(m, n, cfg, x.element_size(), device_index), **cfg,
         )
 
     signature = None if not _eager(traceable) else (
