@@ -5,9 +5,10 @@ Implements:
   a ``BLOCK_M x BLOCK_N`` tile holds several short rows at once (small N is neither launch- nor
   latency-bound); ``AFFINE_FIRST`` loads w and b with the rows, since after the row reductions their latency
   sits between the reductions' barriers and the store (registers held longer, hence not for the widest rows),
-  and ``STREAM_HINTS`` marks rows to leave L2 first and w, b last (for calls that fit in L2). Chunked path (rows wider than one tile): persistent programs, as many as keep their
-  rows in flight within half of L2; pass 1 merges per-chunk mean and M2 (Chan, Golub and LeVeque's
-  parallel variance), pass 2 re-reads the row from L2 (last chunk first) and writes y.
+  and ``STREAM_HINTS`` marks rows to leave L2 first and w, b last (for calls that fit in L2). Chunked path
+  (rows wider than one tile): persistent programs, as many as keep their rows in flight within half of L2;
+  pass 1 merges per-chunk mean and M2 (Chan, Golub and LeVeque's parallel variance), pass 2 re-reads the row
+  from L2 (last chunk first) and writes y.
 - ``_layer_norm_bwd_kernel`` (rows up to one tile): programs own contiguous row ranges; each computes
   dx for its rows and sums its rows' ``dy * xhat`` / ``dy`` in fp32 registers, then adds that partial
   into one of ``GROUP_SIZE_M`` fp32 buffers under a spin lock (``atomic_cas`` to take, ``atomic_xchg``

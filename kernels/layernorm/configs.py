@@ -60,8 +60,8 @@ class Settings:
     # M * N = 2^27 alike (H100, bf16): fewer rows or more warps per program at these widths.
     fwd_row_tiles: tuple[tuple[int, int, int], ...] = ((1024, 2, 2), (2048, 1, 4), (4096, 1, 8))
     # Padded widths whose programs load w and b with the rows, before the row reductions: after them the loads
-    # wait out their latency behind the reductions' barriers (0.93-0.97x at M = 4096). From 16384 the registers
-    # they hold meanwhile cost more than that (0.74-0.78x at 16 warps).
+    # wait out their latency behind the reductions' barriers (0.93-0.97x at M = 4096). At 16384 the registers
+    # they hold meanwhile cost more than that (LayerNorm 0.75-0.77x at its 8 warps: 232 registers against 207).
     fwd_affine_first: tuple[int, ...] = (1024, 2048, 4096, 8192)
     # A call whose x and y fit in this fraction of L2 loads the rows to leave L2 first and w and b last: measured
     # 1.03-1.07x at M = 4096, N <= 2048 (16-32 MB), 0.98-0.99x on calls of 256 MB.
