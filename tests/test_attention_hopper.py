@@ -75,18 +75,17 @@ HOPPER_CASES = [  # (B, Hq, Hkv, Sq, Sk, D, causal, window, dtype, layout)
     (1, 2, 2, 500, 400, 64, False, (50, -1), torch.bfloat16, "bhsd"),
     (1, 2, 2, 300, 300, 128, True, (64, 0), torch.bfloat16, "bhsd"),
     (1, 2, 2, 70, 1500, 128, False, (-1, 8), torch.bfloat16, "bhsd"),
-]
-# head dims padded to 256: a Hopper forward, the portable backward
-HOPPER_FORWARD_ONLY_CASES = [
+    # head dims padded to 256: the backward kernel whose consumers split the head dim
     (1, 2, 2, 300, 500, 256, True, (-1, -1), torch.bfloat16, "bhsd"),
     (1, 4, 2, 257, 257, 200, False, (-1, -1), torch.float16, "bshd"),
     (1, 2, 2, 400, 400, 256, False, (64, 0), torch.bfloat16, "bhsd"),
+    (2, 6, 2, 700, 500, 256, False, (100, 20), torch.float16, "bhsd"),
 ]
 
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("case", HOPPER_CASES + HOPPER_FORWARD_ONLY_CASES, ids=str)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=str)
 def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(case):
     *dims, causal, window, dtype, layout = case
     q, k, v = _qkv(*dims, dtype, layout)
@@ -224,7 +223,8 @@ def test_hopper_backward_keyed_by_a_device_seed_draws_the_int_seeds_mask_in_and_
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("dims", [(8, 16, 2048, 128, True), (4, 8, 4096, 64, False)], ids=str)
+@pytest.mark.parametrize("dims", [(8, 16, 2048, 128, True), (4, 8, 4096, 64, False), (2, 16, 2048, 256, True)],
+                         ids=str)
 def test_hopper_backward_on_a_full_grid_stays_close_to_the_portable_backward(dims):
     # Many programs per SM, several rounds: a consumer that overwrote its K half with dK while the other consumer's
     # last dQ products still read it gave dQ errors of 0.07-0.19 here, at 1 in 3 runs.
@@ -281,6 +281,11 @@ def test_auto_takes_the_hopper_backward_from_its_head_dims_lengths():
             assert configs.prefers_hopper_backward(block_d, n, n, dropout=dropout)
             assert not configs.prefers_hopper_backward(block_d, n - 1, 8192, dropout=dropout)
             assert not configs.prefers_hopper_backward(block_d, 8192, n - 1, dropout=dropout)
+    # head dim 256: from 256 queries and keys, but no dropout (that kernel has none)
+    assert configs.prefers_hopper_backward(256, 256, 256)
+    assert not configs.prefers_hopper_backward(256, 255, 8192)
+    assert not configs.prefers_hopper_backward(256, 8192, 255)
+    assert not configs.prefers_hopper_backward(256, 8192, 8192, dropout=True)
 
 
 def test_auto_takes_the_hopper_forward_on_grids_of_two_programs_per_sm_from_its_head_dims_lengths():
@@ -309,10 +314,12 @@ def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("why", ["dropout", "fp32", "packed", "unaligned stride", "head dim 512", "portable path"])
+@pytest.mark.parametrize("why", ["dropout", "dropout at head dim 256", "fp32", "packed", "unaligned stride",
+                                 "head dim 512", "portable path"])
 def test_calls_the_hopper_kernels_do_not_take_run_the_portable_kernels(why):
     dtype = torch.float32 if why == "fp32" else torch.bfloat16
-    d = {"unaligned stride": 36, "head dim 512": 512}.get(why, 64)  # 36: a 72-byte row stride, which TMA cannot take
+    # 36: a 72-byte row stride, which TMA cannot take
+    d = {"unaligned stride": 36, "head dim 512": 512, "dropout at head dim 256": 256}.get(why, 64)
     q, k, v = _qkv(1, 2, 2, 100, 100, d, dtype)
     if why == "packed":
         packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
@@ -324,11 +331,12 @@ def test_calls_the_hopper_kernels_do_not_take_run_the_portable_kernels(why):
             first = flash_attention(*(t[:60].transpose(0, 1)[None] for t in packed), causal=True)
         torch.testing.assert_close(o[:60], first[0].transpose(0, 1), rtol=0, atol=1.6e-2)
         return
-    dropout_p = 0.1 if why == "dropout" else 0.0
+    dropout_p = 0.1 if why.startswith("dropout") else 0.0
     path = "portable" if why == "portable path" else "hopper"
     with configs.forced_path(path):
         assert not ops.uses_hopper_forward(q, k, v, dropout_p)
-        # the Hopper backward draws the dropout mask; only the forward leaves dropout to the portable kernel
+        # the Hopper backward draws the dropout mask at head dims 64 and 128; the forward leaves dropout to the
+        # portable kernel
         assert ops.uses_hopper_backward(q, k, v, q, dropout_p) == (why == "dropout")
         o = flash_attention(q, k, v, causal=True, dropout_p=dropout_p, seed=5)
     assert torch.isfinite(o).all()
@@ -389,17 +397,20 @@ def test_hopper_launches_take_the_cached_path():
     """The Gluon kernels' launches, with their TMA arguments, are cached by the family's launcher like every other
     launch (Triton's own launch of a Gluon kernel cost ~100 us more host time per call on an H100 host)."""
     from kernels._common.launch import _fast_launcher, forget_recorded_launches
-    from kernels.attention import _hopper, _hopper_bwd
+    from kernels.attention import _hopper, _hopper_bwd, _hopper_bwd_split
 
     # an earlier test's recording of the same call would replay without the launcher
     forget_recorded_launches()
-    q, k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    # a dense dO: the gradient of .sum() is an expanded tensor (stride 0), which TMA cannot read, and its backward
-    # would run the portable kernels
-    do = torch.randn_like(q)
-    with configs.forced_path("hopper"):
-        assert ops.uses_hopper_backward(q, k, v, do)
-        for _ in range(2):
-            flash_attention(q, k, v, causal=True).backward(do)
-    for kernel in (_hopper._attn_fwd_hopper_kernel, _hopper_bwd._attn_bwd_hopper_kernel):
+    for d in (128, 256):
+        q, k, v = (torch.randn(1, 2, 256, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        # a dense dO: the gradient of .sum() is an expanded tensor (stride 0), which TMA cannot read, and its
+        # backward would run the portable kernels
+        do = torch.randn_like(q)
+        with configs.forced_path("hopper"):
+            assert ops.uses_hopper_backward(q, k, v, do)
+            for _ in range(2):
+                flash_attention(q, k, v, causal=True).backward(do)
+    for kernel in (_hopper._attn_fwd_hopper_kernel, _hopper_bwd._attn_bwd_hopper_kernel,
+                   _hopper_bwd_split._attn_bwd_hopper_split_kernel):
         assert _fast_launcher(kernel)._compiled, kernel.__name__

@@ -136,9 +136,9 @@ ROWS: tuple[Row, ...] = (
 )
 
 #: Which kernels run on a GPU: ``auto`` (default) takes the Hopper kernels (``kernels/attention/_hopper.py``,
-#: ``_hopper_bwd.py``) on sm_90 for the calls they support and measured faster on (:func:`prefers_hopper_forward`,
-#: :func:`prefers_hopper_backward`), ``hopper``
-#: for every call they support, ``portable`` never. Read at each call, so a test or a tool can set it with
+#: ``_hopper_bwd.py``, ``_hopper_bwd_split.py``) on sm_90 for the calls they support and measured faster on
+#: (:func:`prefers_hopper_forward`, :func:`prefers_hopper_backward`), ``hopper`` for every call they support,
+#: ``portable`` never. Read at each call, so a test or a tool can set it with
 #: ``forced_path``.
 PATH_ENV = "FUSED_KERNELS_ATTENTION_PATH"
 PATHS = ("auto", "hopper", "portable")
@@ -181,9 +181,12 @@ class HopperBackwardTile(NamedTuple):
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
     dq_turns: bool  # one consumer per step computes all of dQ's columns, the two in turn (else half each)
     # with dropout the producer is a warpgroup that draws the keep masks: registers per thread of it and of each
-    # consumer then
-    dropout_consumer_regs: int
-    dropout_producer_regs: int
+    # consumer then (None: the kernel has no dropout; such calls take the portable backward)
+    dropout_consumer_regs: int | None
+    dropout_producer_regs: int | None
+    # both consumers take the same 64 keys and split the head dim (``_hopper_bwd_split.py``), where one consumer's
+    # dK and dV rows of 64 keys would not fit in its registers; else each takes 64 keys (``_hopper_bwd.py``)
+    split_head_dim: bool = False
 
 
 #: Hopper backward tiles by padded head dim: dK and dV (64 x D fp32 per warpgroup), S^T and dP^T (64 x 64) and
@@ -194,6 +197,9 @@ HOPPER_BACKWARD: dict[int, HopperBackwardTile] = {
     64: HopperBackwardTile(2, 240, 24, 168, True, dropout_consumer_regs=224, dropout_producer_regs=56),
     # at D 128 a whole dQ tile would not fit: 64 more fp32 registers per thread, 32 KiB more shared memory
     128: HopperBackwardTile(2, 240, 24, 168, False, dropout_consumer_regs=232, dropout_producer_regs=40),
+    # at D 256 dK and dV of 64 keys are 256 fp32 registers per thread: each consumer keeps 128 columns of them
+    256: HopperBackwardTile(2, 240, 24, 168, False, dropout_consumer_regs=None, dropout_producer_regs=None,
+                            split_head_dim=True),
 }
 
 
@@ -225,7 +231,7 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
 
 #: ``auto`` takes the Hopper backward without dropout when queries and keys both reach this length, by padded head
 #: dim.
-HOPPER_BACKWARD_MIN_LENGTH: dict[int, int] = {64: 2048, 128: 1024}
+HOPPER_BACKWARD_MIN_LENGTH: dict[int, int] = {64: 2048, 128: 1024, 256: 256}
 #: ``auto`` takes the Hopper backward with dropout when queries and keys both reach this length, by padded head dim.
 HOPPER_DROPOUT_BACKWARD_MIN_LENGTH: dict[int, int] = {64: 1024, 128: 512}
 
@@ -240,7 +246,11 @@ def prefers_hopper_backward(block_d: int, sq: int, sk: int, dropout: bool = Fals
       is short enough that host work and the extra passes (the dQ accumulator's cast) weigh;
     - with dropout (each keep mask drawn once, where the portable backward draws it twice and recomputes two
       matmuls): D 128 1.08-1.31x from S 512 on; D 64 1.19-1.51x from S 1024 on, at S 512 0.87x causal and 1.34x
-      full."""
+      full;
+    - D 256, no dropout (kernel calls): 1.14-1.20x from S 1024 on, 1.06-1.13x at S 512, 1.00-1.05x at S 256,
+      0.97-0.98x at S 128."""
+    if dropout and HOPPER_BACKWARD[block_d].dropout_consumer_regs is None:
+        return False
     least = (HOPPER_DROPOUT_BACKWARD_MIN_LENGTH if dropout else HOPPER_BACKWARD_MIN_LENGTH)[block_d]
     return sq >= least and sk >= least
 

@@ -51,7 +51,7 @@ from kernels._common.seed import (
     seed_pointer,
     seed_value,
 )
-from kernels.attention import _hopper, _hopper_bwd, configs
+from kernels.attention import _hopper, _hopper_bwd, _hopper_bwd_split, configs
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
     _attn_bwd_preprocess_kernel,
@@ -218,6 +218,8 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     bd = configs.block_d(q.shape[-1])
     if bd not in configs.HOPPER_BACKWARD:
         return False
+    if dropout_p > 0 and configs.HOPPER_BACKWARD[bd].dropout_consumer_regs is None:
+        return False
     if path == "auto" and not configs.prefers_hopper_backward(bd, q.shape[-2], k.shape[-2], dropout_p > 0):
         return False
     if not configs.is_hopper(q.device):
@@ -232,16 +234,29 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
     t = configs.HOPPER_BACKWARD[bd]
-    block = (1, 1, _hopper_bwd.QUERY_ROWS, bd)
     band, band_flags = _band(left, right)
+    dq_block = (1, 1, _hopper_bwd.QUERY_ROWS, _hopper_bwd.DQ_TILE)
+    if t.split_head_dim:
+        # Q and dO in 32-row halves (one per consumer's scores), K, V, dK and dV in 128-column halves (one per
+        # consumer's columns)
+        q_block, kv_block = (1, 1, _hopper_bwd_split.QUERY_HALF, bd), (1, 1, _hopper_bwd_split.KEY_ROWS, bd // 2)
+        grid = (cdiv(sk, _hopper_bwd_split.KEY_ROWS), b * hkv)
+        kernel_for(_hopper_bwd_split._attn_bwd_hopper_split_kernel, traceable=False)[grid](
+            _descriptor(q, q_block), _descriptor(do, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block),
+            _descriptor(dk, kv_block), _descriptor(dv, kv_block), _descriptor(dq_acc, dq_block),
+            lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, **band_flags,
+            BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs, num_warps=4,
+            maxnreg=t.maxnreg,
+        )
+        return
+    block = (1, 1, _hopper_bwd.QUERY_ROWS, bd)
     grid = (cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv)
     drop_args, drop_flags = _drop_launch_args(drop, q, False)
     dropout = drop_flags["DROPOUT"]
     regs = (t.dropout_consumer_regs, t.dropout_producer_regs) if dropout else (t.consumer_regs, t.producer_regs)
     kernel_for(_hopper_bwd._attn_bwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), _descriptor(do, block),
-        _descriptor(dk, block), _descriptor(dv, block), _descriptor(dq_acc, (1, 1, _hopper_bwd.QUERY_ROWS,
-                                                                            _hopper_bwd.DQ_TILE)),
+        _descriptor(dk, block), _descriptor(dv, block), _descriptor(dq_acc, dq_block),
         lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
         **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
         DQ_TURNS=t.dq_turns, num_warps=4, maxnreg=t.maxnreg,
