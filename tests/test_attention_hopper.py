@@ -152,6 +152,35 @@ def test_hopper_backward_equals_the_portable_backward_and_is_no_worse_than_torch
         assert_no_worse_than_torch(f"{name} (portable)", port, p, r, atol=ATOL[dtype])
 
 
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("case", [c for c in HOPPER_CASES if c[5] > 128], ids=str)
+def test_the_hopper_dq_kernel_gives_torchs_gradients_bitwise_again_and_takes_deterministic_calls(case, monkeypatch):
+    """dQ by a kernel of its own after a dK/dV kernel without dQ (``configs.HOPPER_BACKWARD_DQ``, switched on here):
+    every gradient within twice torch's error, the same bits on a second call (nothing is summed in arrival order),
+    so ``deterministic`` calls take it; its launches go through the cached launcher."""
+    from kernels._common.launch import _fast_launcher, forget_recorded_launches
+    from kernels.attention import _hopper_bwd_dq
+
+    monkeypatch.setattr(configs, "HOPPER_BACKWARD_DQ", frozenset(configs.HOPPER_DQ))
+    forget_recorded_launches()  # a recording of the same call without the dQ kernel would replay
+    *dims, causal, window, dtype, layout = case
+    q, k, v = _qkv(*dims, dtype, layout)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    kw = {"causal": causal, "window_size": window, "deterministic": True}
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_backward(q, k, v, do, deterministic=True)
+        first, second = (_grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do) for _ in range(2))
+    forget_recorded_launches()
+    peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, causal, window), q, k, v, do)
+    del kw["deterministic"]
+    reference = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q.double(), k.double(), v.double(), do.double())
+    for name, got, again, p, r in zip(("o", "dq", "dk", "dv"), first, second, peer, reference, strict=True):
+        assert torch.equal(got, again), name
+        assert_no_worse_than_torch(name, got, p, r, atol=ATOL[dtype])
+    assert _fast_launcher(_hopper_bwd_dq._attn_bwd_hopper_dq_kernel)._compiled
+
+
 HOPPER_DROPOUT_CASES = [HOPPER_CASES[i] for i in (1, 2, 3, 6, 7, 8, 10, 11, 13)]
 
 
@@ -244,11 +273,14 @@ def test_hopper_backward_on_a_full_grid_stays_close_to_the_portable_backward(dim
 
 @pytest.mark.cuda
 @needs_hopper
-def test_deterministic_takes_the_portable_backward_and_repeats_bitwise():
-    q, k, v = _qkv(2, 8, 2, 1000, 1000, 128, torch.bfloat16)
+@pytest.mark.parametrize("d", [128, 256])
+def test_deterministic_calls_repeat_bitwise_on_the_portable_or_the_reduction_free_hopper_backward(d):
+    """At head dim 128 the Hopper backward adds dQ up in arrival order, so ``deterministic`` takes the portable one;
+    at 256 dQ has a kernel of its own, and the Hopper backward takes it."""
+    q, k, v = _qkv(2, 8, 2, 1000, 1000, d, torch.bfloat16)
     do = torch.randn_like(q)
     with configs.forced_path("hopper"):
-        assert not ops.uses_hopper_backward(q, k, v, do, deterministic=True)
+        assert ops.uses_hopper_backward(q, k, v, do, deterministic=True) == (d in configs.HOPPER_BACKWARD_DQ)
         first, second = (_grads(lambda a, b, c: flash_attention(a, b, c, causal=True, deterministic=True), q, k, v, do)
                          for _ in range(2))
     for a, b in zip(first, second, strict=True):

@@ -162,8 +162,19 @@ def _load_tile(loads, tiling, bh, pid_m, block, tile, HAS_LEFT: gl.constexpr, HA
         mbarrier.expect(q_ready.index(part), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + part * HALF_M, 0], q_ready.index(part),
                                         q_smem.index(part))
+    return _load_kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, start, end,
+                           block, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _load_kv_blocks(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, start, end, block,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The K and V blocks of keys ``[start, end)`` of (batch ``b``, key/value head ``hk``) into the ring, from the
+    ring's block number ``block`` on (K and V with barriers of their own, so that Q K^T starts before V lands);
+    returns the ring's count after them."""
     for i in range(gl.cdiv(end - start, BLOCK_N)):
         slot = block % STAGES
+        # a fresh mbarrier counts as having completed the phase before 0: the first pass does not wait
         phase = ((block // STAGES) & 1) ^ 1
         n0 = start + i * BLOCK_N
         mbarrier.wait(k_empty.index(slot), phase)

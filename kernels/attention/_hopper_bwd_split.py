@@ -27,6 +27,8 @@ Schedule (one program = 64 keys of one (batch, key/value head)):
   ``tiles_read`` (both consumers' dV, dK and dQ products are done: the slot's Q and dO and the P and dS tiles are
   free). After the last step's ``tiles_read`` no one reads K or V any more, and each consumer writes its dK and dV
   columns through the shared memory they came in.
+- ``WRITE_DQ`` False leaves dQ out (no dQ product, staging or reductions; each consumer hands the slot back once
+  its products of the step are done): dQ then comes from ``_hopper_bwd_dq.py``, a kernel of its own.
 - register budget: the producer (one warp) gives its registers back (24 per thread), each consumer takes 240: dK,
   dV 128, a dQ part 64, S^T and dP^T 16 each.
 
@@ -116,7 +118,7 @@ def _split_columns(t, COLUMNS: gl.constexpr):
 def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
               stats_ready, empty, tiles_ready, tiles_read, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sk, n0, scale,
               lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, HALF: gl.constexpr, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+              HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, WRITE_DQ: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     COLS: gl.constexpr = BLOCK_D // 2  # this consumer's columns of dK, dV and dQ
     DQ_PARTS: gl.constexpr = COLS // DQ_TILE_COLS
@@ -137,15 +139,17 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_
         staged = q_smem
     else:
         staged = do_smem
-    staging = staged._reinterpret(gl.float32, [STAGES * DQ_PARTS] + dq_desc.block_type.shape,  # noqa: RUF005
-                                  dq_desc.layout)
+    if WRITE_DQ:
+        staging = staged._reinterpret(gl.float32, [STAGES * DQ_PARTS] + dq_desc.block_type.shape,  # noqa: RUF005
+                                      dq_desc.layout)
 
     dk = gl.zeros([BLOCK_N, COLS], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, COLS], gl.float32, layout=acc_layout)
     t_zero = gl.zeros([BLOCK_N, HALF_M], gl.float32, layout=t_layout)
     query_blocks = gl.cdiv(end_m - start_m, BLOCK_M)
+    steps = GROUP * query_blocks
     mbarrier.wait(kv_ready.index(0), 0)
-    for i in range(GROUP * query_blocks):
+    for i in range(steps):
         slot, phase, h, m0 = _ring_step(i, query_blocks, hk, GROUP, start_m, BLOCK_M, STAGES)
         rows = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=query_layout)
         q_own = q_smem.index(2 * slot + HALF).reshape([HALF_M, BLOCK_D])
@@ -161,10 +165,14 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_
         dpt = warpgroup_mma(v_smem.index(1).reshape([BLOCK_N, COLS]),
                             do_own.slice(COLS, COLS, dim=1).permute((1, 0)), dpt, is_async=True)
         if i > 0:
-            # the previous step's dQ reductions have read their staging: that slot goes back to the producer
-            tma.store_wait(0)
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+            if WRITE_DQ:
+                # the previous step's dQ reductions have read their staging: that slot goes back to the producer
+                tma.store_wait(0)
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+            else:
+                # both consumers' products of the previous step are done with the P and dS tiles
+                mbarrier.wait(tiles_read.index(0), (i - 1) & 1)
         mbarrier.wait(stats_ready.index(slot), phase)
         lse2 = lse_smem.index(slot).slice(HALF * HALF_M, HALF_M).load(query_layout)
         st = warpgroup_mma_wait(2, deps=(st,))
@@ -188,21 +196,31 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_
                                is_async=True)
             dk = warpgroup_mma(ds_smem.slice(half * HALF_M, HALF_M, dim=0).permute((1, 0)), q_half, dk,
                                is_async=True)
-        dq = warpgroup_mma(ds_smem, k_cols, gl.zeros([BLOCK_M, COLS], gl.float32, layout=acc_layout),
-                           use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        mbarrier.arrive(tiles_read.index(0), count=1)
-        dq = dq * scale
-        first, second = _split_columns(dq, COLS // 2)
-        parts01 = _split_columns(first, DQ_TILE_COLS)
-        parts23 = _split_columns(second, DQ_TILE_COLS)
-        mbarrier.wait(tiles_read.index(0), i & 1)
-        for j in gl.static_range(2):
-            staging.index(slot * DQ_PARTS + j).reshape([BLOCK_M, DQ_TILE_COLS]).store(parts01[j])
-            staging.index(slot * DQ_PARTS + 2 + j).reshape([BLOCK_M, DQ_TILE_COLS]).store(parts23[j])
-        fence_async_shared()
-        for j in gl.static_range(DQ_PARTS):
-            _tma_reduce_add(dq_desc, [b, h, m0, HALF * COLS + j * DQ_TILE_COLS], staging.index(slot * DQ_PARTS + j))
+        if WRITE_DQ:
+            dq = warpgroup_mma(ds_smem, k_cols, gl.zeros([BLOCK_M, COLS], gl.float32, layout=acc_layout),
+                               use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+            mbarrier.arrive(tiles_read.index(0), count=1)
+            dq = dq * scale
+            first, second = _split_columns(dq, COLS // 2)
+            parts01 = _split_columns(first, DQ_TILE_COLS)
+            parts23 = _split_columns(second, DQ_TILE_COLS)
+            mbarrier.wait(tiles_read.index(0), i & 1)
+            for j in gl.static_range(2):
+                staging.index(slot * DQ_PARTS + j).reshape([BLOCK_M, DQ_TILE_COLS]).store(parts01[j])
+                staging.index(slot * DQ_PARTS + 2 + j).reshape([BLOCK_M, DQ_TILE_COLS]).store(parts23[j])
+            fence_async_shared()
+            for j in gl.static_range(DQ_PARTS):
+                _tma_reduce_add(dq_desc, [b, h, m0, HALF * COLS + j * DQ_TILE_COLS],
+                                staging.index(slot * DQ_PARTS + j))
+        else:
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(tiles_read.index(0), count=1)
+            # this consumer is done with the slot's Q and dO
+            mbarrier.arrive(empty.index(slot), count=1)
+    if not WRITE_DQ:  # noqa: SIM102 (a constexpr test and a run-time one: the Gluon frontend keeps them apart)
+        if steps > 0:
+            mbarrier.wait(tiles_read.index(0), (steps - 1) & 1)
 
     # After the last step's tiles_read no product reads K or V: this consumer's columns of them stage its dK and dV
     # for the TMA stores (which clip rows past Sk).
@@ -218,10 +236,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_
 def _consumer_worker(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_smem, kv_ready, q_ready,
                      do_ready, stats_ready, empty, tiles_ready, tiles_read, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sk,
                      n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, HAS_LEFT: gl.constexpr,
-                     HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
+                     HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, WRITE_DQ: gl.constexpr):
     _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
               stats_ready, empty, tiles_ready, tiles_read, dk_desc, dv_desc, dq_desc, b, hk, GROUP, Sk, n0, scale,
-              lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, 1, HAS_LEFT, HAS_RIGHT, BLOCK_D, STAGES)
+              lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, 1, HAS_LEFT, HAS_RIGHT, BLOCK_D, STAGES, WRITE_DQ)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk"])
@@ -232,7 +250,7 @@ def _attn_bwd_hopper_split_kernel(
     lse_ptr, delta_ptr, stride_lb, stride_lh,  # (B, Hq, Sq) fp32, 1 along the sequence
     Hkv, GROUP, Sq, Sk, scale, LEFT, RIGHT,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WRITE_DQ: gl.constexpr,
 ):
     FIRST_HALF: gl.constexpr = 0
     pid_n = gl.program_id(0)
@@ -279,11 +297,11 @@ def _attn_bwd_hopper_split_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_smem, kv_ready, q_ready,
                      do_ready, stats_ready, empty, tiles_ready, tiles_read, dk_desc, dv_desc, dq_desc, b, hk, GROUP,
                      Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, FIRST_HALF, HAS_LEFT,
-                     HAS_RIGHT, BLOCK_D, STAGES)),
+                     HAS_RIGHT, BLOCK_D, STAGES, WRITE_DQ)),
         (_consumer_worker, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_smem, kv_ready,
                             q_ready, do_ready, stats_ready, empty, tiles_ready, tiles_read, dk_desc, dv_desc, dq_desc,
                             b, hk, GROUP, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m,
-                            HAS_LEFT, HAS_RIGHT, BLOCK_D, STAGES)),
+                            HAS_LEFT, HAS_RIGHT, BLOCK_D, STAGES, WRITE_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready,
                      q_ready, do_ready, stats_ready, empty, lse_ptr, delta_ptr, stride_lb, stride_lh, b, hk, GROUP,
                      Sq, n0, start_m, end_m, BLOCK_D, STAGES)),

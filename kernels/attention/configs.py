@@ -229,6 +229,17 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
     return sq >= least and sk >= least
 
 
+#: Tiles of the Hopper dQ kernel (``_hopper_bwd_dq.py``: 128 query rows per program in two consumers, the K/V
+#: blocks and ring as the forward's, dQ in registers and written once, in the output dtype) by padded head dim.
+HOPPER_DQ: dict[int, HopperForwardTile] = {
+    256: HopperForwardTile(32, 2, 2, 240, 24, 168, persistent=False),
+}
+#: Head dims whose Hopper backward computes dQ with that kernel, after a dK/dV kernel without dQ; the others add dQ
+#: into an fp32 accumulator by TMA reductions from the dK/dV programs. Meant for D 256, where a dK/dV program holds
+#: only 64 keys and writing its dQ tiles out limits it; empty until the kernel has been measured on a GPU (it has
+#: only been compiled for sm_90 so far; the tests switch it on).
+HOPPER_BACKWARD_DQ: frozenset[int] = frozenset()
+
 #: ``auto`` takes the Hopper backward without dropout when queries and keys both reach this length, by padded head
 #: dim.
 HOPPER_BACKWARD_MIN_LENGTH: dict[int, int] = {64: 2048, 128: 1024, 256: 256}

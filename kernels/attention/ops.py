@@ -51,7 +51,7 @@ from kernels._common.seed import (
     seed_pointer,
     seed_value,
 )
-from kernels.attention import _hopper, _hopper_bwd, _hopper_bwd_split, configs
+from kernels.attention import _hopper, _hopper_bwd, _hopper_bwd_dq, _hopper_bwd_split, configs
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
     _attn_bwd_preprocess_kernel,
@@ -207,16 +207,17 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
                          varlen=None, deterministic: bool = False, traced: bool = False) -> bool:
     """Whether a backward call on these tensors runs the Hopper kernel (``kernels/attention/_hopper_bwd.py``) rather
     than the portable one: sm_90, fp16/bf16, dense batches, head dims with a Hopper tile, tensors TMA can read in
-    place, and ``deterministic`` False (the Hopper kernel sums dQ by TMA reductions in arrival order); of those calls
-    the ``hopper`` path takes all and ``auto`` the ones ``configs.prefers_hopper_backward`` names. ``traced`` as in
-    :func:`uses_hopper_forward`."""
+    place, and ``deterministic`` False where the Hopper backward sums dQ by TMA reductions in arrival order (head dims
+    whose dQ has a kernel of its own, ``configs.HOPPER_BACKWARD_DQ``, sum nothing so and take ``deterministic`` calls
+    too); of those calls the ``hopper`` path takes all and ``auto`` the ones ``configs.prefers_hopper_backward``
+    names. ``traced`` as in :func:`uses_hopper_forward`."""
     path = configs.path()
-    if path == "portable" or deterministic:
+    if path == "portable":
         return False
     if varlen is not None or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
         return False
     bd = configs.block_d(q.shape[-1])
-    if bd not in configs.HOPPER_BACKWARD:
+    if bd not in configs.HOPPER_BACKWARD or (deterministic and bd not in configs.HOPPER_BACKWARD_DQ):
         return False
     if dropout_p > 0 and configs.HOPPER_BACKWARD[bd].dropout_consumer_regs is None:
         return False
@@ -227,10 +228,11 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     return all(_tma_ready(t, traced) for t in (q, k, v, do))
 
 
-def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right: int, scale: float,
-                       drop: tuple = _NO_DROPOUT):
-    """The Hopper backward: dK, dV written in place; dQ summed into ``dq_acc`` ((B, Hq, Sq, padded D) fp32, zeroed by
-    the preprocess kernel); ``drop`` as ``_dropout_args`` gives it."""
+def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right: int, scale: float,
+                       drop: tuple = _NO_DROPOUT, dq_kernel: bool = False):
+    """The Hopper backward: dK, dV written in place; dQ summed into ``dq_out`` ((B, Hq, Sq, padded D) fp32, zeroed by
+    the preprocess kernel), or with ``dq_kernel`` written into ``dq_out`` (q's shape and dtype, contiguous) by a
+    kernel of its own; ``drop`` as ``_dropout_args`` gives it."""
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
     t = configs.HOPPER_BACKWARD[bd]
@@ -241,13 +243,18 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right
         # consumer's columns)
         q_block, kv_block = (1, 1, _hopper_bwd_split.QUERY_HALF, bd), (1, 1, _hopper_bwd_split.KEY_ROWS, bd // 2)
         grid = (cdiv(sk, _hopper_bwd_split.KEY_ROWS), b * hkv)
+        dk_desc = _descriptor(dk, kv_block)
+        # without dQ the kernel never reads its descriptor: dK's stands in
+        dq_desc = dk_desc if dq_kernel else _descriptor(dq_out, dq_block)
         kernel_for(_hopper_bwd_split._attn_bwd_hopper_split_kernel, traceable=False)[grid](
             _descriptor(q, q_block), _descriptor(do, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block),
-            _descriptor(dk, kv_block), _descriptor(dv, kv_block), _descriptor(dq_acc, dq_block),
+            dk_desc, _descriptor(dv, kv_block), dq_desc,
             lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, **band_flags,
-            BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs, num_warps=4,
-            maxnreg=t.maxnreg,
+            BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs,
+            WRITE_DQ=not dq_kernel, num_warps=4, maxnreg=t.maxnreg,
         )
+        if dq_kernel:
+            _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq_out, scale, band, band_flags)
         return
     block = (1, 1, _hopper_bwd.QUERY_ROWS, bd)
     grid = (cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv)
@@ -256,10 +263,26 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left: int, right
     regs = (t.dropout_consumer_regs, t.dropout_producer_regs) if dropout else (t.consumer_regs, t.producer_regs)
     kernel_for(_hopper_bwd._attn_bwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), _descriptor(do, block),
-        _descriptor(dk, block), _descriptor(dv, block), _descriptor(dq_acc, dq_block),
+        _descriptor(dk, block), _descriptor(dv, block), _descriptor(dq_out, dq_block),
         lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
         **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
         DQ_TURNS=t.dq_turns, num_warps=4, maxnreg=t.maxnreg,
+    )
+
+
+def _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq, scale: float, band: tuple, band_flags: dict):
+    """dQ by the Hopper kernel of its own (``_hopper_bwd_dq.py``), written into ``dq`` (q's shape and dtype,
+    contiguous)."""
+    b, hq, hkv, sq, sk, d = _dims(q, k, None)
+    bd = configs.block_d(d)
+    t = configs.HOPPER_DQ[bd]
+    q_block, kv_block = (1, 1, _hopper.CONSUMER_ROWS, bd), (1, 1, t.block_n, bd)
+    grid = (cdiv(sq, _hopper_bwd_dq.QUERY_ROWS) * b * hq,)
+    kernel_for(_hopper_bwd_dq._attn_bwd_hopper_dq_kernel, traceable=False)[grid](
+        _descriptor(q, q_block), _descriptor(do, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block),
+        _descriptor(dq, q_block), lse, delta, lse.stride(0), lse.stride(1), hq, hq // hkv, sq, sk, scale, *band,
+        **band_flags, BLOCK_N=t.block_n, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs,
+        PRODUCER_REGS=t.producer_regs, num_warps=4, maxnreg=t.maxnreg,
     )
 
 
@@ -400,16 +423,19 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
     if not traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic):
-        dq_acc = torch.empty((b, q.shape[1], q.shape[2], configs.block_d(d)), device=q.device, dtype=torch.float32)
+        dq_kernel = configs.block_d(d) in configs.HOPPER_BACKWARD_DQ
+        # dQ itself when a kernel of its own writes it, else the fp32 accumulator the reductions add into
+        dq_out = (torch.empty_like(q, memory_format=torch.contiguous_format) if dq_kernel else
+                  torch.empty((b, q.shape[1], q.shape[2], configs.block_d(d)), device=q.device, dtype=torch.float32))
         # replayed like the portable launches: the TMA arguments are made again over the call's own tensors
         signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
                                      o.stride(), "hopper")
-        launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq_acc, dk, dv, _seed_tensor(seed)),
-                         lambda: _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_acc, dk, dv, left, right, scale,
-                                                      dropout_p, seed),
+        launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq_out, dk, dv, _seed_tensor(seed)),
+                         lambda: _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right, scale,
+                                                      dropout_p, seed, dq_kernel),
                          _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
         # a slice of the padded accumulator is not dense: the cast lays dQ out contiguously
-        return dq_acc[..., :d].to(q.dtype), dk, dv
+        return (dq_out if dq_kernel else dq_out[..., :d].to(q.dtype)), dk, dv
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
                                  o.stride(), deterministic)
@@ -420,10 +446,13 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     return dq, dk, dv
 
 
-def _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_acc, dk, dv, left, right, scale, dropout_p, seed) -> None:
-    """The Hopper backward: ``delta`` (and ``dq_acc`` zeroed), then the Gluon kernel."""
-    _launch_bwd_preprocess(o, do, delta, dq_acc=dq_acc)
-    _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, dk, dv, left, right, scale, _dropout_args(dropout_p, seed))
+def _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right, scale, dropout_p, seed,
+                         dq_kernel: bool) -> None:
+    """The Hopper backward: ``delta``, then the Gluon kernels. ``dq_out`` is dQ when ``dq_kernel`` (a kernel of its
+    own writes it after the dK/dV kernel), else the fp32 accumulator, zeroed with ``delta``."""
+    _launch_bwd_preprocess(o, do, delta, dq_acc=None if dq_kernel else dq_out)
+    _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left, right, scale, _dropout_args(dropout_p, seed),
+                       dq_kernel)
 
 
 def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed, varlen,
