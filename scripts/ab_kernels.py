@@ -4,13 +4,14 @@
 
     python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
         [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward]
-        [--dropout P [--no-check]]
+        [--dropout P [--no-check]] [--hopper-dq]
     python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
 
 Make the baseline first, e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py``; ``-`` as
 the baseline times this checkout alone against the forced tiles. The baseline runs through this checkout's
 launchers and launch tables (``ops.kernels_from``), so only the jit code differs; a ``--tile`` forces one
-attention kernel's tile (``fwd``, ``dkdv`` or ``dq``) through ``configs.override``. Variants alternate within
+attention kernel's tile (``fwd``, ``dkdv`` or ``dq``) through ``configs.override``; ``--hopper-dq`` adds the
+Hopper backward with dQ by its kernel of its own (``configs.hopper_dq_kernel``; D 256). Variants alternate within
 each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is 10-17%, a side by
 side difference is not). Each variant's outputs must match the first's (``--no-check`` skips that, for a
 baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
@@ -52,6 +53,10 @@ def _variants(args) -> dict[str, Callable[[], contextlib.AbstractContextManager]
         baseline = _load(args.baseline, args.family)
         variants["base"] = lambda: ops.kernels_from(baseline)
     variants["this"] = contextlib.nullcontext
+    if args.hopper_dq:
+        from kernels.attention import configs
+
+        variants["hopper-dq"] = configs.hopper_dq_kernel
     for spec in args.tile:
         from kernels.attention import configs
 
@@ -150,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-check", action="store_true", help="do not compare outputs with the first variant's")
     parser.add_argument("--tile", action="append", default=[], metavar="KERNEL:BM,BN,WARPS,STAGES",
                         help="attention: force one kernel's tile for 16-bit inputs (repeatable)")
+    parser.add_argument("--hopper-dq", action="store_true",
+                        help="attention: a variant whose Hopper backward takes the dQ kernel of its own (D 256)")
     parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
     args = parser.parse_args(argv)
     variants = _variants(args)

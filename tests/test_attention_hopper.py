@@ -155,23 +155,21 @@ def test_hopper_backward_equals_the_portable_backward_and_is_no_worse_than_torch
 @pytest.mark.cuda
 @needs_hopper
 @pytest.mark.parametrize("case", [c for c in HOPPER_CASES if c[5] > 128], ids=str)
-def test_the_hopper_dq_kernel_gives_torchs_gradients_bitwise_again_and_takes_deterministic_calls(case, monkeypatch):
+def test_the_hopper_dq_kernel_gives_torchs_gradients_bitwise_again_and_takes_deterministic_calls(case):
     """dQ by a kernel of its own after a dK/dV kernel without dQ (``configs.HOPPER_BACKWARD_DQ``, switched on here):
     every gradient within twice torch's error, the same bits on a second call (nothing is summed in arrival order),
     so ``deterministic`` calls take it; its launches go through the cached launcher."""
     from kernels._common.launch import _fast_launcher, forget_recorded_launches
     from kernels.attention import _hopper_bwd_dq
 
-    monkeypatch.setattr(configs, "HOPPER_BACKWARD_DQ", frozenset(configs.HOPPER_DQ))
-    forget_recorded_launches()  # a recording of the same call without the dQ kernel would replay
+    forget_recorded_launches()  # the launcher's compiled-kernel check below needs a launch, not a replay
     *dims, causal, window, dtype, layout = case
     q, k, v = _qkv(*dims, dtype, layout)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     kw = {"causal": causal, "window_size": window, "deterministic": True}
-    with configs.forced_path("hopper"):
+    with configs.forced_path("hopper"), configs.hopper_dq_kernel():
         assert ops.uses_hopper_backward(q, k, v, do, deterministic=True)
         first, second = (_grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do) for _ in range(2))
-    forget_recorded_launches()
     peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, causal, window), q, k, v, do)
     del kw["deterministic"]
     reference = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q.double(), k.double(), v.double(), do.double())

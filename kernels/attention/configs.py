@@ -444,6 +444,19 @@ def override_decode(adjust: Callable[[DecodePlan], DecodePlan]) -> Iterator[None
 
 
 @contextlib.contextmanager
+def hopper_dq_kernel(dims=tuple(HOPPER_DQ)) -> Iterator[None]:
+    """Inside the block, the Hopper backward computes dQ with its kernel of its own at these padded head dims
+    (:data:`HOPPER_BACKWARD_DQ`): for tests and for tools that time it against the reductions."""
+    global HOPPER_BACKWARD_DQ
+    saved = HOPPER_BACKWARD_DQ
+    HOPPER_BACKWARD_DQ = frozenset(dims)
+    try:
+        yield
+    finally:
+        HOPPER_BACKWARD_DQ = saved
+
+
+@contextlib.contextmanager
 def override(adjust: Callable[[Query, Tile], Tile] | None = None, *, fuse: bool | None = None) -> Iterator[None]:
     """Inside the block, every tile is ``adjust(query, table_tile)`` and, when ``fuse`` is given, the backward
     runs as one launch (True) or two (False) whatever the tiles. For tests (small blocks that cross every

@@ -429,7 +429,7 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
                   torch.empty((b, q.shape[1], q.shape[2], configs.block_d(d)), device=q.device, dtype=torch.float32))
         # replayed like the portable launches: the TMA arguments are made again over the call's own tensors
         signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
-                                     o.stride(), "hopper")
+                                     o.stride(), "hopper-dq" if dq_kernel else "hopper")
         launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq_out, dk, dv, _seed_tensor(seed)),
                          lambda: _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right, scale,
                                                       dropout_p, seed, dq_kernel),
