@@ -23,17 +23,20 @@ Schedule (one program = 128 query rows of one (batch, query head), two consumers
 - the end: dQ, scaled, is stored through the consumer's Q tile (its products are done) and written by one TMA store,
   which clips rows past Sq and columns past the head dim.
 - registers (``configs.HOPPER_DQ``): dQ 64 x 256 fp32 takes 128 of a consumer's 240, S and dP 16 each.
-  Shared memory: Q and dO 32 KiB each per consumer, the ring 2 x (K, V) of 32 x 256: 192 KiB.
+  Shared memory: Q and dO 32 KiB each per consumer, the ring 3 x (K, V) of 32 x 256: 224 KiB. Three slots, not
+  the forward's two: K_j stays held until ``dS_j K_j`` is done in the next step, so with two slots the producer
+  could load K_{j+1} only once step j had ended, and every step would wait for a load.
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place, padded head dim 256, no dropout,
 no packed batches. ``kernels.attention.ops`` launches it after the dK/dV kernel when ``configs.HOPPER_BACKWARD_DQ``
 has the head dim.
 
-Status: compiled for sm_90 (Triton 3.6, no GPU): 168 registers in the default partition, no spills, 197,000 bytes
-of shared memory; not yet run on a GPU, so ``configs.HOPPER_BACKWARD_DQ`` is empty and no call takes it unless a
-test switches it on. The estimate that makes it worth measuring: the dK/dV kernel without dQ ran at 428 / 529
-TFLOP/s (S 2048 causal / full, counted as 5 matmuls), and at the forward's speed per matmul this kernel's 3 would
-bring the backward to about 240-250 causal, against 213 for the one-kernel backward.
+Status: compiled for sm_90 (Triton 3.6, no GPU): 168 registers in the default partition, 229,832 bytes of shared
+memory, no spills (4 bytes in the causal variant; 197,000 bytes and none with two slots); not yet run on a GPU, so
+``configs.HOPPER_BACKWARD_DQ`` is empty and no call takes it unless a test or a tool switches it on
+(``configs.hopper_dq_kernel``). The estimate that makes it worth measuring: the dK/dV kernel without dQ ran at
+428 / 529 TFLOP/s (S 2048 causal / full, counted as 5 matmuls), and at the forward's speed per matmul this
+kernel's 3 would bring the backward to about 240-250 causal, against 213 for the one-kernel backward.
 
 Trade-offs: deterministic (one program per dQ tile, no reductions), but 7 matmuls per tile pair instead of 5, and
 K and V are read once per 128 query rows.

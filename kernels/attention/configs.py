@@ -232,7 +232,9 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
 #: Tiles of the Hopper dQ kernel (``_hopper_bwd_dq.py``: 128 query rows per program in two consumers, the K/V
 #: blocks and ring as the forward's, dQ in registers and written once, in the output dtype) by padded head dim.
 HOPPER_DQ: dict[int, HopperForwardTile] = {
-    256: HopperForwardTile(32, 2, 2, 240, 24, 168, persistent=False),
+    # three ring slots: a consumer holds K_j until dS_j K_j is done in the next step, so with two the producer could
+    # load K_{j+1} only once step j ends (Q and dO 128 KiB + 3 x 32 KiB of K/V: 229,832 bytes of the 232,448)
+    256: HopperForwardTile(32, 3, 2, 240, 24, 168, persistent=False),
 }
 #: Head dims whose Hopper backward computes dQ with that kernel, after a dK/dV kernel without dQ; the others add dQ
 #: into an fp32 accumulator by TMA reductions from the dK/dV programs. Meant for D 256, where a dK/dV program holds
