@@ -273,8 +273,9 @@ def test_hopper_backward_on_a_full_grid_stays_close_to_the_portable_backward(dim
 @needs_hopper
 @pytest.mark.parametrize("d", [128, 256])
 def test_deterministic_calls_repeat_bitwise_on_the_portable_or_the_reduction_free_hopper_backward(d):
-    """At head dim 128 the Hopper backward adds dQ up in arrival order, so ``deterministic`` takes the portable one;
-    at 256 dQ has a kernel of its own, and the Hopper backward takes it."""
+    """Where the Hopper backward adds dQ up in arrival order (head dim 128), ``deterministic`` takes the portable one;
+    where dQ has a kernel of its own (``configs.HOPPER_BACKWARD_DQ``: head dim 256 once it is switched on), the
+    Hopper backward. Either way a second call gives the same bits."""
     q, k, v = _qkv(2, 8, 2, 1000, 1000, d, torch.bfloat16)
     do = torch.randn_like(q)
     with configs.forced_path("hopper"):

@@ -239,7 +239,7 @@ HOPPER_DQ: dict[int, HopperForwardTile] = {
 #: Head dims whose Hopper backward computes dQ with that kernel, after a dK/dV kernel without dQ; the others add dQ
 #: into an fp32 accumulator by TMA reductions from the dK/dV programs. Meant for D 256, where a dK/dV program holds
 #: only 64 keys and writing its dQ tiles out limits it; empty until the kernel has been measured on a GPU (it has
-#: only been compiled for sm_90 so far; the tests switch it on).
+#: only been compiled for sm_90 so far; tests and tools switch it on with :func:`hopper_dq_kernel`).
 HOPPER_BACKWARD_DQ: frozenset[int] = frozenset()
 
 #: ``auto`` takes the Hopper backward without dropout when queries and keys both reach this length, by padded head
