@@ -38,7 +38,7 @@ and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33
 zeros and clips the store), no dropout, no packed batches (under torch.compile it runs inside an opaque op,
 ``fused_kernels::flash_attn_fwd_gluon``). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
 (``configs.prefers_hopper_forward``: the default path takes grids of two programs per SM or more, at D 64 from
-S 2048); the backward has its own kernel (``_hopper_bwd.py``).
+S 2048); the backward has its own kernels (``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
 
 Trade-offs: masks are applied at run time per key block (a uniform branch), so blocks crossing a band edge
 or the end of K pay for the compare-and-select and interior blocks do not; the registers leave room for one

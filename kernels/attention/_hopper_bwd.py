@@ -50,8 +50,8 @@ Gluon 3.6's ``tma`` module has loads and stores but no reduction; ``_tma_reduce_
 operation Triton 3.6 defines (``ttng.async_tma_reduce``, through the Gluon builder).
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place (head dim contiguous, other strides
-and the base 16-byte aligned), padded head dims 64 and 128, no packed batches (under torch.compile it runs inside
-an opaque op, ``fused_kernels::flash_attn_bwd_gluon``).
+and the base 16-byte aligned), padded head dims 64 and 128 (256 has ``_hopper_bwd_split.py``), no packed batches
+(under torch.compile it runs inside an opaque op, ``fused_kernels::flash_attn_bwd_gluon``).
 ``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
 
 Speed: on an H100 (bf16, public calls) without dropout 1.12-1.22x the portable backward at D 128 from S 1024 on and
