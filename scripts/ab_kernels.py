@@ -4,14 +4,15 @@
 
     python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
         [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward]
-        [--dropout P [--no-check]] [--hopper-dq]
+        [--dropout P [--no-check]] [--hopper-dq DIMS]
     python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
 
 Make the baseline first, e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py``; ``-`` as
 the baseline times this checkout alone against the forced tiles. The baseline runs through this checkout's
 launchers and launch tables (``ops.kernels_from``), so only the jit code differs; a ``--tile`` forces one
-attention kernel's tile (``fwd``, ``dkdv`` or ``dq``) through ``configs.override``; ``--hopper-dq`` adds the
-Hopper backward with dQ by its kernel of its own (``configs.hopper_dq_kernel``; D 256). Variants alternate within
+attention kernel's tile (``fwd``, ``dkdv`` or ``dq``) through ``configs.override``; ``--hopper-dq DIMS`` adds a
+variant whose Hopper backward computes dQ by its kernel of its own at exactly these padded head dims
+(``configs.hopper_dq_kernel``; ``--hopper-dq ""``: at none, every dQ by TMA reductions). Variants alternate within
 each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is 10-17%, a side by
 side difference is not). Each variant's outputs must match the first's (``--no-check`` skips that, for a
 baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
@@ -53,10 +54,11 @@ def _variants(args) -> dict[str, Callable[[], contextlib.AbstractContextManager]
         baseline = _load(args.baseline, args.family)
         variants["base"] = lambda: ops.kernels_from(baseline)
     variants["this"] = contextlib.nullcontext
-    if args.hopper_dq:
+    if args.hopper_dq is not None:
         from kernels.attention import configs
 
-        variants["hopper-dq"] = configs.hopper_dq_kernel
+        dims = tuple(int(x) for x in args.hopper_dq.split(",") if x)
+        variants[f"dq-kernel@{','.join(map(str, dims)) or 'none'}"] = lambda: configs.hopper_dq_kernel(dims)
     for spec in args.tile:
         from kernels.attention import configs
 
@@ -155,8 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-check", action="store_true", help="do not compare outputs with the first variant's")
     parser.add_argument("--tile", action="append", default=[], metavar="KERNEL:BM,BN,WARPS,STAGES",
                         help="attention: force one kernel's tile for 16-bit inputs (repeatable)")
-    parser.add_argument("--hopper-dq", action="store_true",
-                        help="attention: a variant whose Hopper backward takes the dQ kernel of its own (D 256)")
+    parser.add_argument("--hopper-dq", metavar="DIMS",
+                        help="attention: a variant whose Hopper backward takes the dQ kernel of its own at these "
+                             "padded head dims (comma-separated; empty: none)")
     parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
     args = parser.parse_args(argv)
     variants = _variants(args)

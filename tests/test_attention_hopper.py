@@ -156,7 +156,7 @@ def test_hopper_backward_equals_the_portable_backward_and_is_no_worse_than_torch
 @needs_hopper
 @pytest.mark.parametrize("case", [c for c in HOPPER_CASES if c[5] > 128], ids=str)
 def test_the_hopper_dq_kernel_gives_torchs_gradients_bitwise_again_and_takes_deterministic_calls(case):
-    """dQ by a kernel of its own after a dK/dV kernel without dQ (``configs.HOPPER_BACKWARD_DQ``, switched on here):
+    """dQ by a kernel of its own after a dK/dV kernel without dQ (``configs.HOPPER_BACKWARD_DQ``, forced on here):
     every gradient within twice torch's error, the same bits on a second call (nothing is summed in arrival order),
     so ``deterministic`` calls take it; its launches go through the cached launcher."""
     from kernels._common.launch import _fast_launcher, forget_recorded_launches
@@ -178,6 +178,25 @@ def test_the_hopper_dq_kernel_gives_torchs_gradients_bitwise_again_and_takes_det
         assert_no_worse_than_torch(name, got, p, r, atol=ATOL[dtype])
     assert _fast_launcher(_hopper_bwd_dq._attn_bwd_hopper_dq_kernel)._compiled
 
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("case", [c for c in HOPPER_CASES if c[5] > 128], ids=str)
+def test_the_one_kernel_d256_backward_kept_for_ab_still_gives_torchs_gradients(case):
+    """With the dQ kernel switched off (``configs.hopper_dq_kernel(dims=())``) the head-dim-split kernel adds dQ up
+    by TMA reductions itself: the variant A/B tools time against the two kernels stays correct."""
+    *dims, causal, window, dtype, layout = case
+    q, k, v = _qkv(*dims, dtype, layout)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    kw = {"causal": causal, "window_size": window}
+    with configs.forced_path("hopper"), configs.hopper_dq_kernel(dims=()):
+        assert ops.uses_hopper_backward(q, k, v, do) and not ops.uses_hopper_backward(q, k, v, do, deterministic=True)
+        got = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+    peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, causal, window), q, k, v, do)
+    reference = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q.double(), k.double(), v.double(), do.double())
+    for name, g, p, r in zip(("o", "dq", "dk", "dv"), got, peer, reference, strict=True):
+        assert_no_worse_than_torch(name, g, p, r, atol=ATOL[dtype])
 
 HOPPER_DROPOUT_CASES = [HOPPER_CASES[i] for i in (1, 2, 3, 6, 7, 8, 10, 11, 13)]
 
@@ -274,7 +293,7 @@ def test_hopper_backward_on_a_full_grid_stays_close_to_the_portable_backward(dim
 @pytest.mark.parametrize("d", [128, 256])
 def test_deterministic_calls_repeat_bitwise_on_the_portable_or_the_reduction_free_hopper_backward(d):
     """Where the Hopper backward adds dQ up in arrival order (head dim 128), ``deterministic`` takes the portable one;
-    where dQ has a kernel of its own (``configs.HOPPER_BACKWARD_DQ``: head dim 256 once it is switched on), the
+    where dQ has a kernel of its own (``configs.HOPPER_BACKWARD_DQ``: head dim 256), the
     Hopper backward. Either way a second call gives the same bits."""
     q, k, v = _qkv(2, 8, 2, 1000, 1000, d, torch.bfloat16)
     do = torch.randn_like(q)
@@ -312,10 +331,10 @@ def test_auto_takes_the_hopper_backward_from_its_head_dims_lengths():
             assert configs.prefers_hopper_backward(block_d, n, n, dropout=dropout)
             assert not configs.prefers_hopper_backward(block_d, n - 1, 8192, dropout=dropout)
             assert not configs.prefers_hopper_backward(block_d, 8192, n - 1, dropout=dropout)
-    # head dim 256: from 256 queries and keys, but no dropout (that kernel has none)
-    assert configs.prefers_hopper_backward(256, 256, 256)
-    assert not configs.prefers_hopper_backward(256, 255, 8192)
-    assert not configs.prefers_hopper_backward(256, 8192, 255)
+    # head dim 256: from 64 queries and keys, but no dropout (those kernels have none)
+    assert configs.prefers_hopper_backward(256, 64, 64)
+    assert not configs.prefers_hopper_backward(256, 63, 8192)
+    assert not configs.prefers_hopper_backward(256, 8192, 63)
     assert not configs.prefers_hopper_backward(256, 8192, 8192, dropout=True)
 
 

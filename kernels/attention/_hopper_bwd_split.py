@@ -36,14 +36,18 @@ Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place 
 and the base 16-byte aligned), padded head dim 256, no dropout, no packed batches.
 ``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
 
-Trade-offs: as ``_hopper_bwd.py``, dQ is a sum of fp32 reductions in arrival order (not bitwise reproducible; the
-portable backward is); and with 64 keys per program every program reads each query block's Q and dO (64 KiB) and
-writes 64 KiB of dQ per 64 keys, twice the traffic per FLOP of the 128-key programs at head dim 128.
+Trade-offs: with ``WRITE_DQ``, as ``_hopper_bwd.py``, dQ is a sum of fp32 reductions in arrival order (not bitwise
+reproducible; the portable backward is); and with 64 keys per program every program reads each query block's Q
+and dO (64 KiB) and writes 64 KiB of dQ per 64 keys, twice the traffic per FLOP of the 128-key programs at head
+dim 128.
 
-Measured (H100, bf16, kernel calls, 5 interleaved rounds): 166-256 TFLOP/s, 1.14-1.20x the portable backward and
-0.67-0.75x SDPA-cuDNN (B8 H16 S2048 causal 213 against 177 and 300). Writing dQ out is the limit: the same kernel
-without the reductions runs 1.40x faster, with plain TMA stores in their place only 1.06-1.08x (the bytes, not L2's
-read-modify-write); the kernel moves about 1.3 TB/s of dQ, as the head dim 128 kernel does at its speed. The
+Measured (H100, bf16, kernel calls, 5 interleaved rounds): with its dQ it ran at 166-256 TFLOP/s, 1.14-1.20x the
+portable backward and 0.67-0.75x SDPA-cuDNN (B8 H16 S2048 causal 213 against 177 and 300). Writing dQ out was the
+limit: the same kernel without the reductions ran 1.40x faster, with plain TMA stores in their place only
+1.06-1.08x (the bytes, not L2's read-modify-write); it moved about 1.3 TB/s of dQ, as the head dim 128 kernel does
+at its speed. So the default runs it without dQ, then ``_hopper_bwd_dq.py``: together 1.38-1.50x the one kernel
+and 1.05-1.19x cuDNN from S 1024 on (B8 H16 S2048 causal 326 against 222 and 293). The one kernel stays for A/B
+(``configs.hopper_dq_kernel(dims=())``). The
 figures and variants are in the attention README ("The Hopper backward").
 """
 

@@ -237,14 +237,15 @@ HOPPER_DQ: dict[int, HopperForwardTile] = {
     256: HopperForwardTile(32, 3, 2, 240, 24, 168, persistent=False),
 }
 #: Head dims whose Hopper backward computes dQ with that kernel, after a dK/dV kernel without dQ; the others add dQ
-#: into an fp32 accumulator by TMA reductions from the dK/dV programs. Meant for D 256, where a dK/dV program holds
-#: only 64 keys and writing its dQ tiles out limits it; empty until the kernel has been measured on a GPU (it has
-#: only been compiled for sm_90 so far; tests and tools switch it on with :func:`hopper_dq_kernel`).
-HOPPER_BACKWARD_DQ: frozenset[int] = frozenset()
+#: into an fp32 accumulator by TMA reductions from the dK/dV programs. At D 256 a dK/dV program holds only 64 keys
+#: and writing its dQ tiles out limited it: the two kernels ran the backward 1.38-1.50x faster than the one kernel
+#: with reductions (H100, bf16, S 1024-4096; 1.41-1.58x at S 64-512), though they compute 7 matmuls, not 5.
+#: :func:`hopper_dq_kernel` switches it for tests and A/B tools (``dims=()``: the one kernel with reductions).
+HOPPER_BACKWARD_DQ: frozenset[int] = frozenset({256})
 
 #: ``auto`` takes the Hopper backward without dropout when queries and keys both reach this length, by padded head
 #: dim.
-HOPPER_BACKWARD_MIN_LENGTH: dict[int, int] = {64: 2048, 128: 1024, 256: 256}
+HOPPER_BACKWARD_MIN_LENGTH: dict[int, int] = {64: 2048, 128: 1024, 256: 64}
 #: ``auto`` takes the Hopper backward with dropout when queries and keys both reach this length, by padded head dim.
 HOPPER_DROPOUT_BACKWARD_MIN_LENGTH: dict[int, int] = {64: 1024, 128: 512}
 
@@ -260,8 +261,8 @@ def prefers_hopper_backward(block_d: int, sq: int, sk: int, dropout: bool = Fals
     - with dropout (each keep mask drawn once, where the portable backward draws it twice and recomputes two
       matmuls): D 128 1.08-1.31x from S 512 on; D 64 1.19-1.51x from S 1024 on, at S 512 0.87x causal and 1.34x
       full;
-    - D 256, no dropout (kernel calls): 1.14-1.20x from S 1024 on, 1.06-1.13x at S 512, 1.00-1.05x at S 256,
-      0.97-0.98x at S 128."""
+    - D 256, no dropout (kernel calls, the dK/dV kernel then the dQ kernel): 1.66-1.76x from S 1024 on,
+      1.47-1.74x at S 128-512, 1.29-1.43x at S 64, the shortest measured."""
     if dropout and HOPPER_BACKWARD[block_d].dropout_consumer_regs is None:
         return False
     least = (HOPPER_DROPOUT_BACKWARD_MIN_LENGTH if dropout else HOPPER_BACKWARD_MIN_LENGTH)[block_d]
