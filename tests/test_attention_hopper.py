@@ -154,7 +154,7 @@ def test_hopper_backward_equals_the_portable_backward_and_is_no_worse_than_torch
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("case", [c for c in HOPPER_CASES if c[5] > 128], ids=str)
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=str)
 def test_the_hopper_dq_kernel_gives_torchs_gradients_bitwise_again_and_takes_deterministic_calls(case):
     """dQ by a kernel of its own after a dK/dV kernel without dQ (``configs.HOPPER_BACKWARD_DQ``, forced on here):
     every gradient within twice torch's error, the same bits on a second call (nothing is summed in arrival order),
@@ -290,15 +290,16 @@ def test_hopper_backward_on_a_full_grid_stays_close_to_the_portable_backward(dim
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_calls_repeat_bitwise_on_the_portable_or_the_reduction_free_hopper_backward(d):
-    """Where the Hopper backward adds dQ up in arrival order (head dim 128), ``deterministic`` takes the portable one;
-    where dQ has a kernel of its own (``configs.HOPPER_BACKWARD_DQ``: head dim 256), the
-    Hopper backward. Either way a second call gives the same bits."""
+    """``deterministic`` calls take the Hopper backward where its dQ comes from the dQ kernel of its own (head dims 128
+    and 256), the portable one where the Hopper backward would add dQ up in arrival order (64). Either way a second
+    call gives the same bits."""
     q, k, v = _qkv(2, 8, 2, 1000, 1000, d, torch.bfloat16)
     do = torch.randn_like(q)
     with configs.forced_path("hopper"):
-        assert ops.uses_hopper_backward(q, k, v, do, deterministic=True) == (d in configs.HOPPER_BACKWARD_DQ)
+        assert ops.uses_hopper_backward(q, k, v, do, deterministic=True) == (d in (128, 256))
+        assert not ops.uses_hopper_backward(q, k, v, do, 0.1, deterministic=True)
         first, second = (_grads(lambda a, b, c: flash_attention(a, b, c, causal=True, deterministic=True), q, k, v, do)
                          for _ in range(2))
     for a, b in zip(first, second, strict=True):
@@ -400,17 +401,20 @@ def test_calls_the_hopper_kernels_do_not_take_run_the_portable_kernels(why):
 @needs_hopper
 def test_a_compiled_call_runs_the_hopper_kernels_and_matches_eager(monkeypatch):
     """Under torch.compile the Gluon kernels run inside opaque ops (they cannot be traced as the portable kernels
-    are); a deterministic call keeps the portable backward there too."""
+    are), and a deterministic call takes the same backward as eagerly: at head dim 128 the dK/dV kernel and the dQ
+    kernel (the same bits as eagerly), at 64 the portable backward."""
     from kernels._common.launch import forget_recorded_launches
 
     launched = []
-    for name in ("_launch_fwd_hopper", "_launch_bwd_hopper"):
+    for name in ("_launch_fwd_hopper", "_launch_bwd_hopper", "_launch_bwd_hopper_dq"):
         launch = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _launch=launch, _name=name, **kw: (launched.append(_name),
                                                                                      _launch(*a, **kw))[1])
-    q, k, v = (t.requires_grad_(True) for t in _qkv(2, 4, 2, 200, 300, 128, torch.bfloat16))
-    do = torch.randn_like(q)
-    for deterministic in (False, True):
+    hopper_bwd = ["_launch_bwd_hopper"]
+    for d, deterministic, backward in ((128, False, hopper_bwd), (128, True, [*hopper_bwd, "_launch_bwd_hopper_dq"]),
+                                       (64, True, [])):
+        q, k, v = (t.requires_grad_(True) for t in _qkv(2, 4, 2, 200, 300, d, torch.bfloat16))
+        do = torch.randn_like(q)
 
         def block(a, b, c):
             return flash_attention(a, b, c, causal=True, deterministic=deterministic)  # noqa: B023
@@ -423,10 +427,10 @@ def test_a_compiled_call_runs_the_hopper_kernels_and_matches_eager(monkeypatch):
             launched.clear()
             o = torch.compile(block, fullgraph=True)(q, k, v)
             compiled = torch.autograd.grad(o, (q, k, v), do)
-        assert launched == ["_launch_fwd_hopper"] + ([] if deterministic else ["_launch_bwd_hopper"])
+        assert launched == ["_launch_fwd_hopper", *backward], (d, deterministic)
         torch.testing.assert_close(o, eager_o, rtol=0, atol=0)
         for a, b in zip(eager, compiled, strict=True):
-            torch.testing.assert_close(b, a, rtol=0, atol=2e-3)
+            torch.testing.assert_close(b, a, rtol=0, atol=0 if deterministic else 2e-3)
 
 
 def test_the_backward_preprocess_zeroes_the_hopper_dq_accumulator():

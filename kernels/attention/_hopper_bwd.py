@@ -63,12 +63,17 @@ inside a warpgroup; issuing dP^T before P^T is computed (0.95-1.02x) and computi
 the consumers need not wait on each other (0.95-1.00x) were measured and not kept. At D 128 the consumer spills 72
 bytes without dropout and 168 with.
 
+``WRITE_DQ`` False leaves dQ out (no dS tile, no dQ products or reductions): dQ then comes from
+``_hopper_bwd_dq.py``, a kernel of its own, which is how ``deterministic=True`` calls run at head dim 128 (1.06-1.19x
+the portable backward; as the default the two kernels ran 0.90-1.06x this one, and 0.86-0.90x at head dim 64).
+
 Trade-offs: dQ is a sum of fp32 reductions in arrival order, so it is not bitwise reproducible run to run
-(``deterministic=True`` takes the portable backward); the accumulator costs ``B * Hq * Sq * D * 4`` bytes, written
-once as zeros and read once by the cast. Query blocks that cross a band edge, or programs whose keys run past Sk,
-apply the mask at run time per block (a uniform branch); the band is taken for the whole 128-key program, so a
-consumer may compute a block that its own 64 keys do not see (it masks to zero). Before a consumer overwrites its K
-half with dK at the end, both consumers say they are done reading K (the other's last dQ products read it).
+(``deterministic=True`` takes the two kernels above at head dim 128, the portable backward at 64); the accumulator
+costs ``B * Hq * Sq * D * 4`` bytes, written once as zeros and read once by the cast. Query blocks that cross a band
+edge, or programs whose keys run past Sk, apply the mask at run time per block (a uniform branch); the band is taken
+for the whole 128-key program, so a consumer may compute a block that its own 64 keys do not see (it masks to
+zero). Before a consumer overwrites its K half with dK at the end, both consumers say they are done reading K (the
+other's last dQ products read it).
 """
 
 from triton._C.libtriton import ir
@@ -294,7 +299,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
               do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP,
               Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep, HALF: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, DQ_TURNS: gl.constexpr):
+              STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     # (keys, queries) tiles: S^T, dP^T, P^T, dS^T
     t_layout: gl.constexpr = warpgroup_accumulator(BLOCK_M)
@@ -357,22 +362,24 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
             dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         ds_op = gl.convert_layout(dst, op_layout)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-        # dS^T of both consumers in one double-buffered tile; the barrier says both halves are in
-        ds_buffer = ds_smem.index(i % 2)
-        ds_buffer.slice(HALF * HALF_N, HALF_N, dim=0).store(dst)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(i % 2), count=1)
+        if WRITE_DQ:
+            # dS^T of both consumers in one double-buffered tile; the barrier says both halves are in
+            ds_buffer = ds_smem.index(i % 2)
+            ds_buffer.slice(HALF * HALF_N, HALF_N, dim=0).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(i % 2), count=1)
         dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
         mbarrier.arrive(empty.index(slot), count=1)
-        if DQ_TURNS:
-            # one consumer computes all of dQ's columns, in turn: one 64 x D wgmma reads dS once instead of twice,
-            # and the other consumer goes on to its next step without waiting for dS (1.06-1.19x at D 64)
-            if i % 2 == HALF:
+        if WRITE_DQ:
+            if DQ_TURNS:
+                # one consumer computes all of dQ's columns, in turn: one 64 x D wgmma reads dS once instead of
+                # twice, and the other consumer goes on to its next step without waiting for dS (1.06-1.19x at D 64)
+                if i % 2 == HALF:
+                    mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
+                    _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, True)
+            else:
                 mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
-                _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, True)
-        else:
-            mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
-            _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, False)
+                _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, False)
 
     # Their shared memory stages dK and dV for the TMA stores (which clip rows past Sk). This consumer's V half is
     # read by no one else now; its K half is, by the other consumer's last dQ products: both say they are done
@@ -392,11 +399,11 @@ def _consumer_worker(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_sme
                      q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc,
                      b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
-                     STAGES: gl.constexpr, DQ_TURNS: gl.constexpr):
+                     STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr):
     _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready, q_ready,
               do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP,
               Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep, 1, HAS_LEFT, HAS_RIGHT,
-              DROPOUT, BLOCK_D, STAGES, DQ_TURNS)
+              DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "seed_lo", "seed_hi", "seed_in_memory", "threshold"])
@@ -408,6 +415,7 @@ def _attn_bwd_hopper_kernel(
     seed_lo, seed_hi, seed_ptr, seed_in_memory, threshold, inv_keep,  # attention dropout, as the portable kernels
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TURNS: gl.constexpr,
+    WRITE_DQ: gl.constexpr = True,
 ):
     # with dropout the producer is a warpgroup: it draws the keep masks too
     PRODUCER_WARPS: gl.constexpr = 4 if DROPOUT else 1
@@ -449,13 +457,17 @@ def _attn_bwd_hopper_kernel(
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     stats_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mask_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mask_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     # dQ parts on their way to the TMA reductions, tiles of 64 x 32 fp32: D / 32 of them, or twice that when each
     # consumer computes all columns in its turn (one buffer per consumer; a reduction has a whole step to read it)
     DQ_TILES: gl.constexpr = 2 * BLOCK_D // DQ_TILE_COLS if DQ_TURNS else BLOCK_D // DQ_TILE_COLS
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,  # noqa: RUF005
-                                        dq_desc.layout)
+    if WRITE_DQ:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_TILES] + dq_desc.block_type.shape,  # noqa: RUF005
+                                            dq_desc.layout)
+    else:
+        # never read (dQ comes from its own kernel; ``dq_desc`` is then a stand-in)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [1, 16, 8], mask_layout)
     # dropout keep masks (``_draw_keep``): one per ring slot and consumer, released with the slot
-    mask_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     if DROPOUT:
         mask_smem = gl.allocate_shared_memory(gl.uint32, [2 * STAGES, 2 * BLOCK_M, 8], mask_layout)
     else:
@@ -476,11 +488,12 @@ def _attn_bwd_hopper_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready,
                      q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc,
                      b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep,
-                     FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS)),
+                     FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ)),
         (_consumer_worker, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem,
                             kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc,
                             dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo,
-                            full_hi, end_m, inv_keep, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS)),
+                            full_hi, end_m, inv_keep, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS,
+                            WRITE_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, mask_smem,
                      kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, lse_ptr, delta_ptr, stride_lb,
                      stride_lh, b, hk, GROUP, Sq, n0, start_m, end_m, b_heads, key0, key1, threshold, STAGES,

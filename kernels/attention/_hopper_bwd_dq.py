@@ -1,4 +1,4 @@
-"""dQ of the FlashAttention backward for Hopper (sm_90), in Gluon: a kernel of its own, for head dim 256.
+"""dQ of the FlashAttention backward for Hopper (sm_90), in Gluon: a kernel of its own (D 256; D 128 deterministic).
 
 Implements the dQ of the portable backward's dQ programs (``_attn_bwd_dq_program`` in ``kernels/attention/_kernels.py``,
 read beside ``reference/attention.py``): ``dQ = scale * sum_j dS_j K_j`` with ``P = exp(Q K^T * scale - lse)``
@@ -26,10 +26,14 @@ Schedule (one program = 128 query rows of one (batch, query head), two consumers
   Shared memory: Q and dO 32 KiB each per consumer, the ring 3 x (K, V) of 32 x 256: 224 KiB. Three slots, not
   the forward's two: K_j stays held until ``dS_j K_j`` is done in the next step, so with two slots the producer
   could load K_{j+1} only once step j had ended, and every step would wait for a load.
+  At head dim 128: 64-key blocks in four slots (1.00-1.02x three), dQ 64 registers, S and dP 32 each, 197,064
+  bytes of shared memory, no spills (offline ptxas).
 
-Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place, padded head dim 256, no dropout,
-no packed batches. ``kernels.attention.ops`` launches it after the dK/dV kernel when ``configs.HOPPER_BACKWARD_DQ``
-has the head dim.
+Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place, padded head dims 64, 128 and 256
+(tiles in ``configs.HOPPER_DQ``), no dropout, no packed batches. ``kernels.attention.ops`` launches it after the
+dK/dV kernel where ``configs.takes_hopper_dq_kernel`` says so: every call at head dim 256, ``deterministic`` calls
+at 128 (where the one-kernel backward with dQ reductions is as fast or faster: 0.90-1.06x it at 128, 0.86-0.90x at
+64, against 1.38-1.50x at 256).
 
 Measured (H100, bf16, kernel calls, 5 interleaved rounds, beside the dK/dV kernel without dQ): the two kernels run
 the backward 1.38-1.50x faster than the one kernel with dQ reductions from S 1024 on (B8 H16 S2048 causal 326

@@ -235,6 +235,10 @@ HOPPER_DQ: dict[int, HopperForwardTile] = {
     # three ring slots: a consumer holds K_j until dS_j K_j is done in the next step, so with two the producer could
     # load K_{j+1} only once step j ends (Q and dO 128 KiB + 3 x 32 KiB of K/V: 229,832 bytes of the 232,448)
     256: HopperForwardTile(32, 3, 2, 240, 24, 168, persistent=False),
+    # D 128 and 64 (deterministic calls at D 128, A/B at 64): 64-key blocks in four slots ran 1.00-1.02x three at D 128;
+    # at D 64 128-key blocks in three ran as 64 in four
+    128: HopperForwardTile(64, 4, 2, 240, 24, 168, persistent=False),
+    64: HopperForwardTile(128, 3, 2, 240, 24, 168, persistent=False),
 }
 #: Head dims whose Hopper backward computes dQ with that kernel, after a dK/dV kernel without dQ; the others add dQ
 #: into an fp32 accumulator by TMA reductions from the dK/dV programs. At D 256 a dK/dV program holds only 64 keys
@@ -242,6 +246,20 @@ HOPPER_DQ: dict[int, HopperForwardTile] = {
 #: with reductions (H100, bf16, S 1024-4096; 1.41-1.58x at S 64-512), though they compute 7 matmuls, not 5.
 #: :func:`hopper_dq_kernel` switches it for tests and A/B tools (``dims=()``: the one kernel with reductions).
 HOPPER_BACKWARD_DQ: frozenset[int] = frozenset({256})
+
+#: Head dims whose ``deterministic`` calls take the Hopper backward with the dQ kernel, where the others take the
+#: portable backward. At D 128 the two kernels ran 1.06-1.19x the portable deterministic backward (H100, bf16, kernel
+#: calls, S 1024-8192, causal and not), but only 0.90-1.06x the one kernel with reductions, which the other calls keep.
+#: At D 64 they ran 0.86-0.90x the one kernel, about what the portable backward runs (0.86-0.92x), so not there.
+HOPPER_DETERMINISTIC_DQ: frozenset[int] = frozenset({128})
+
+
+def takes_hopper_dq_kernel(block_d: int, dropout: bool, deterministic: bool = False) -> bool:
+    """Whether the Hopper backward at padded head dim ``block_d`` computes dQ with its kernel of its own (which has
+    no dropout, and sums nothing in arrival order) rather than by TMA reductions."""
+    if dropout:
+        return False
+    return block_d in HOPPER_BACKWARD_DQ or (deterministic and block_d in HOPPER_DETERMINISTIC_DQ)
 
 #: ``auto`` takes the Hopper backward without dropout when queries and keys both reach this length, by padded head
 #: dim.

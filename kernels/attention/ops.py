@@ -207,17 +207,19 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
                          varlen=None, deterministic: bool = False, traced: bool = False) -> bool:
     """Whether a backward call on these tensors runs the Hopper kernel (``kernels/attention/_hopper_bwd.py``) rather
     than the portable one: sm_90, fp16/bf16, dense batches, head dims with a Hopper tile, tensors TMA can read in
-    place, and ``deterministic`` False where the Hopper backward sums dQ by TMA reductions in arrival order (head dims
-    whose dQ has a kernel of its own, ``configs.HOPPER_BACKWARD_DQ``, sum nothing so and take ``deterministic`` calls
-    too); of those calls the ``hopper`` path takes all and ``auto`` the ones ``configs.prefers_hopper_backward``
-    names. ``traced`` as in :func:`uses_hopper_forward`."""
+    place, and ``deterministic`` False where the Hopper backward sums dQ by TMA reductions in arrival order (where it
+    takes the dQ kernel of its own instead, ``configs.takes_hopper_dq_kernel``, nothing is summed so and
+    ``deterministic`` calls come too); of those calls the ``hopper`` path takes all and ``auto`` the ones
+    ``configs.prefers_hopper_backward`` names. ``traced`` as in :func:`uses_hopper_forward`."""
     path = configs.path()
     if path == "portable":
         return False
     if varlen is not None or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
         return False
     bd = configs.block_d(q.shape[-1])
-    if bd not in configs.HOPPER_BACKWARD or (deterministic and bd not in configs.HOPPER_BACKWARD_DQ):
+    if bd not in configs.HOPPER_BACKWARD:
+        return False
+    if deterministic and not configs.takes_hopper_dq_kernel(bd, dropout_p > 0, deterministic=True):
         return False
     if dropout_p > 0 and configs.HOPPER_BACKWARD[bd].dropout_consumer_regs is None:
         return False
@@ -261,13 +263,16 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right
     drop_args, drop_flags = _drop_launch_args(drop, q, False)
     dropout = drop_flags["DROPOUT"]
     regs = (t.dropout_consumer_regs, t.dropout_producer_regs) if dropout else (t.consumer_regs, t.producer_regs)
+    dk_desc = _descriptor(dk, block)
     kernel_for(_hopper_bwd._attn_bwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), _descriptor(do, block),
-        _descriptor(dk, block), _descriptor(dv, block), _descriptor(dq_out, dq_block),
+        dk_desc, _descriptor(dv, block), dk_desc if dq_kernel else _descriptor(dq_out, dq_block),
         lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
         **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
-        DQ_TURNS=t.dq_turns, num_warps=4, maxnreg=t.maxnreg,
+        DQ_TURNS=t.dq_turns, WRITE_DQ=not dq_kernel, num_warps=4, maxnreg=t.maxnreg,
     )
+    if dq_kernel:
+        _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq_out, scale, band, band_flags)
 
 
 def _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq, scale: float, band: tuple, band_flags: dict):
@@ -418,12 +423,12 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic, traced=True):
         return torch.ops.fused_kernels.flash_attn_bwd_gluon(do, q, k, v, o, lse, left, right, scale, dropout_p,
-                                                            *op_seed_args(seed))
+                                                            *op_seed_args(seed), deterministic)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
     if not traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic):
-        dq_kernel = configs.block_d(d) in configs.HOPPER_BACKWARD_DQ
+        dq_kernel = configs.takes_hopper_dq_kernel(configs.block_d(d), dropout_p > 0, deterministic)
         # dQ itself when a kernel of its own writes it, else the fp32 accumulator the reductions add into
         dq_out = (torch.empty_like(q, memory_format=torch.contiguous_format) if dq_kernel else
                   torch.empty((b, q.shape[1], q.shape[2], configs.block_d(d)), device=q.device, dtype=torch.float32))
@@ -542,7 +547,7 @@ _GLUON_OPS.define("flash_attn_fwd_gluon(Tensor q, Tensor k, Tensor v, SymInt win
                   "float scale) -> (Tensor, Tensor)")
 _GLUON_OPS.define("flash_attn_bwd_gluon(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
                   "SymInt window_left, SymInt window_right, float scale, float dropout_p, SymInt seed, "
-                  "Tensor? seed_tensor) -> (Tensor, Tensor, Tensor)")
+                  "Tensor? seed_tensor, bool deterministic=False) -> (Tensor, Tensor, Tensor)")
 
 
 def flash_attn_fwd_gluon_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
@@ -559,15 +564,16 @@ def _(q, k, v, window_left, window_right, scale):
 
 def flash_attn_bwd_gluon_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                             lse: torch.Tensor, window_left: int, window_right: int, scale: float, dropout_p: float,
-                            seed: int, seed_tensor: torch.Tensor | None,
+                            seed: int, seed_tensor: torch.Tensor | None, deterministic: bool = False,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``flash_attn_bwd`` of a dense, non-deterministic call, run eagerly: ``(dq, dk, dv)``."""
+    """``flash_attn_bwd`` of a dense call, run eagerly: ``(dq, dk, dv)`` (``deterministic`` calls come here only where
+    the Hopper backward sums nothing in arrival order)."""
     return _bwd_impl(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p,
-                     seed_from_op_args(seed, seed_tensor))
+                     seed_from_op_args(seed, seed_tensor), deterministic=deterministic)
 
 
 @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::flash_attn_bwd_gluon", lib=_GLUON_OPS)
-def _(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, seed_tensor):
+def _(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, seed_tensor, deterministic=False):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -695,10 +701,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     ``FUSED_KERNELS_ATTENTION_PATH`` (``auto``, ``hopper``, ``portable``) overrides the choice. Both paths
     compute the same attention to rounding.
 
-    The Hopper backward adds dQ up with fp32 TMA reductions in arrival order, so its dQ can differ in the last bits
-    from run to run;
-    ``deterministic=True`` takes the portable backward, which is bitwise reproducible (as are dK and dV, and
-    every gradient on other GPUs).
+    The Hopper backward at padded head dims 64 and 128 adds dQ up with fp32 TMA reductions in arrival order, so its
+    dQ can differ in the last bits from run to run (at head dim 256 a dQ kernel of its own sums nothing so).
+    ``deterministic=True`` takes a backward that is bitwise reproducible: on sm_90 without dropout, at padded head
+    dims 128 and 256, the Hopper dK/dV kernel and then that dQ kernel; else the portable backward (as are dK and dV,
+    and every gradient on other GPUs).
     """
     plans = plans_apply()
     key = None
