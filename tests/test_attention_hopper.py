@@ -317,7 +317,7 @@ def test_auto_path_takes_the_hopper_backward_on_long_sequences_or_with_dropout()
     with configs.forced_path("auto"):
         assert not ops.uses_hopper_backward(*short, short[0])
         assert ops.uses_hopper_backward(*short, short[0], dropout_p=0.1)
-        assert not ops.uses_hopper_backward(*long_keys, long_keys[0])
+        assert ops.uses_hopper_backward(*long_keys, long_keys[0])  # Sq 1024 of at least 512, Sk 4096
         assert ops.uses_hopper_backward(*long, long[0])
         assert not ops.uses_hopper_backward(*long, long[0], deterministic=True)
         assert not ops.uses_hopper_backward(*wide_short, wide_short[0])
@@ -327,11 +327,15 @@ def test_auto_path_takes_the_hopper_backward_on_long_sequences_or_with_dropout()
 
 
 def test_auto_takes_the_hopper_backward_from_its_head_dims_lengths():
-    for block_d, least, least_with_dropout in ((64, 2048, 1024), (128, 1024, 512)):
-        for dropout, n in ((False, least), (True, least_with_dropout)):
-            assert configs.prefers_hopper_backward(block_d, n, n, dropout=dropout)
-            assert not configs.prefers_hopper_backward(block_d, n - 1, 8192, dropout=dropout)
-            assert not configs.prefers_hopper_backward(block_d, 8192, n - 1, dropout=dropout)
+    for block_d, least_keys, least_queries, least_with_dropout in ((64, 2048, 512, 1024), (128, 1024, 256, 512)):
+        # without dropout: long enough keys, and queries from a shorter minimum
+        assert configs.prefers_hopper_backward(block_d, least_queries, least_keys)
+        assert not configs.prefers_hopper_backward(block_d, least_queries - 1, 8192)
+        assert not configs.prefers_hopper_backward(block_d, 8192, least_keys - 1)
+        n = least_with_dropout
+        assert configs.prefers_hopper_backward(block_d, n, n, dropout=True)
+        assert not configs.prefers_hopper_backward(block_d, n - 1, 8192, dropout=True)
+        assert not configs.prefers_hopper_backward(block_d, 8192, n - 1, dropout=True)
     # head dim 256: from 64 queries and keys, but no dropout (those kernels have none)
     assert configs.prefers_hopper_backward(256, 64, 64)
     assert not configs.prefers_hopper_backward(256, 63, 8192)
