@@ -4,7 +4,7 @@
 
     python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
         [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward]
-        [--dropout P [--no-check]] [--hopper-dq DIMS]
+        [--dropout P [--no-check]] [--hopper-dq DIMS] [--hopper-tile KERNEL:D:BLOCK_N,STAGES ...]
     python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
 
 Make the baseline first, e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py``; ``-`` as
@@ -12,7 +12,9 @@ the baseline times this checkout alone against the forced tiles. The baseline ru
 launchers and launch tables (``ops.kernels_from``), so only the jit code differs; a ``--tile`` forces one
 attention kernel's tile (``fwd``, ``dkdv`` or ``dq``) through ``configs.override``; ``--hopper-dq DIMS`` adds a
 variant whose Hopper backward computes dQ by its kernel of its own at exactly these padded head dims
-(``configs.hopper_dq_kernel``; ``--hopper-dq ""``: at none, every dQ by TMA reductions). Variants alternate within
+(``configs.hopper_dq_kernel``; ``--hopper-dq ""``: at none, every dQ by TMA reductions); ``--hopper-tile`` a variant
+whose Hopper forward (``fwd``) or dQ kernel (``dq``) takes another key block and ring depth at padded head dim D
+(``configs.hopper_tiles``). Variants alternate within
 each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is 10-17%, a side by
 side difference is not). Each variant's outputs must match the first's (``--no-check`` skips that, for a
 baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
@@ -59,6 +61,15 @@ def _variants(args) -> dict[str, Callable[[], contextlib.AbstractContextManager]
 
         dims = tuple(int(x) for x in args.hopper_dq.split(",") if x)
         variants[f"dq-kernel@{','.join(map(str, dims)) or 'none'}"] = lambda: configs.hopper_dq_kernel(dims)
+    for spec in args.hopper_tile:
+        from kernels.attention import configs
+
+        kernel, d, numbers = spec.split(":")
+        table = {"fwd": configs.HOPPER_FORWARD, "dq": configs.HOPPER_DQ}[kernel]
+        block_n, stages = (int(x) for x in numbers.split(","))
+        tile = {int(d): table[int(d)]._replace(block_n=block_n, stages=stages)}
+        variants[spec] = lambda kernel=kernel, tile=tile: configs.hopper_tiles(**{
+            "forward" if kernel == "fwd" else "dq": tile})
     for spec in args.tile:
         from kernels.attention import configs
 
@@ -160,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hopper-dq", metavar="DIMS",
                         help="attention: a variant whose Hopper backward takes the dQ kernel of its own at these "
                              "padded head dims (comma-separated; empty: none)")
+    parser.add_argument("--hopper-tile", action="append", default=[], metavar="KERNEL:D:BLOCK_N,STAGES",
+                        help="attention: a variant whose Hopper forward (fwd) or dQ kernel (dq) at padded head dim D "
+                             "takes this key block and ring depth (repeatable)")
     parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
     args = parser.parse_args(argv)
     variants = _variants(args)

@@ -326,6 +326,20 @@ def test_auto_path_takes_the_hopper_backward_on_long_sequences_or_with_dropout()
         assert ops.uses_hopper_backward(*short, short[0])
 
 
+def test_a_hopper_tile_swapped_for_a_block_is_part_of_the_replay_signature(monkeypatch):
+    """Eager calls replay the launches recorded under the same signature: a tool that swaps a Hopper tile
+    (``configs.hopper_tiles``, ``configs.hopper_dq_kernel``) must not replay a launch recorded under the table's."""
+    monkeypatch.setattr(ops, "prepared_launches_enabled", lambda: True)  # as on a GPU, not the interpreter
+    q = torch.empty(1, 2, 64, 256)
+    signature = lambda: ops._eager_signature(q, q, q, -1, 0, 0.1, 0.0, 0, None, False)
+    table, forward = signature(), configs.HOPPER_FORWARD[256]
+    with configs.hopper_tiles(forward={256: forward._replace(stages=forward.stages + 1)}):
+        assert configs.HOPPER_FORWARD[256].stages == forward.stages + 1
+        assert signature() != table
+    with configs.hopper_dq_kernel(dims=()):
+        assert signature() != table
+    assert signature() == table and configs.HOPPER_FORWARD[256] == forward
+
 def test_auto_takes_the_hopper_backward_from_its_head_dims_lengths():
     for block_d, least_keys, least_queries, least_with_dropout in ((64, 2048, 512, 1024), (128, 1024, 256, 512)):
         # without dropout: long enough keys, and queries from a shorter minimum

@@ -65,7 +65,7 @@ bytes without dropout and 168 with.
 
 ``WRITE_DQ`` False leaves dQ out (no dS tile, no dQ products or reductions): dQ then comes from
 ``_hopper_bwd_dq.py``, a kernel of its own, which is how ``deterministic=True`` calls run at head dim 128 (1.06-1.19x
-the portable backward; as the default the two kernels ran 0.90-1.06x this one, and 0.86-0.90x at head dim 64).
+the portable backward; as the default the two kernels ran 0.90-1.06x this one, and 0.85-0.90x at head dim 64).
 
 Trade-offs: dQ is a sum of fp32 reductions in arrival order, so it is not bitwise reproducible run to run
 (``deterministic=True`` takes the two kernels above at head dim 128, the portable backward at 64); the accumulator

@@ -26,13 +26,13 @@ Schedule (one program = 128 query rows of one (batch, query head), two consumers
   Shared memory: Q and dO 32 KiB each per consumer, the ring 3 x (K, V) of 32 x 256: 224 KiB. Three slots, not
   the forward's two: K_j stays held until ``dS_j K_j`` is done in the next step, so with two slots the producer
   could load K_{j+1} only once step j had ended, and every step would wait for a load.
-  At head dim 128: 64-key blocks in four slots (1.00-1.02x three), dQ 64 registers, S and dP 32 each, 197,064
+  At head dim 128: 64-key blocks in four slots (three ran alike), dQ 64 registers, S and dP 32 each, 197,064
   bytes of shared memory, no spills (offline ptxas).
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place, padded head dims 64, 128 and 256
 (tiles in ``configs.HOPPER_DQ``), no dropout, no packed batches. ``kernels.attention.ops`` launches it after the
 dK/dV kernel where ``configs.takes_hopper_dq_kernel`` says so: every call at head dim 256, ``deterministic`` calls
-at 128 (where the one-kernel backward with dQ reductions is as fast or faster: 0.90-1.06x it at 128, 0.86-0.90x at
+at 128 (where the one-kernel backward with dQ reductions is as fast or faster: 0.90-1.06x it at 128, 0.85-0.90x at
 64, against 1.38-1.50x at 256).
 
 Measured (H100, bf16, kernel calls, 5 interleaved rounds, beside the dK/dV kernel without dQ): the two kernels run

@@ -235,8 +235,8 @@ HOPPER_DQ: dict[int, HopperForwardTile] = {
     # three ring slots: a consumer holds K_j until dS_j K_j is done in the next step, so with two the producer could
     # load K_{j+1} only once step j ends (Q and dO 128 KiB + 3 x 32 KiB of K/V: 229,832 bytes of the 232,448)
     256: HopperForwardTile(32, 3, 2, 240, 24, 168, persistent=False),
-    # D 128 and 64 (deterministic calls at D 128, A/B at 64): 64-key blocks in four slots ran 1.00-1.02x three at D 128;
-    # at D 64 128-key blocks in three ran as 64 in four
+    # D 128 and 64 (deterministic calls at D 128, A/B at 64): 64-key blocks in four slots at D 128 (three ran alike in
+    # another run: S 2048 causal 364 against 365 TFLOP/s), 128-key blocks in three at D 64
     128: HopperForwardTile(64, 4, 2, 240, 24, 168, persistent=False),
     64: HopperForwardTile(128, 3, 2, 240, 24, 168, persistent=False),
 }
@@ -250,7 +250,7 @@ HOPPER_BACKWARD_DQ: frozenset[int] = frozenset({256})
 #: Head dims whose ``deterministic`` calls take the Hopper backward with the dQ kernel, where the others take the
 #: portable backward. At D 128 the two kernels ran 1.06-1.19x the portable deterministic backward (H100, bf16, kernel
 #: calls, S 1024-8192, causal and not), but only 0.90-1.06x the one kernel with reductions, which the other calls keep.
-#: At D 64 they ran 0.86-0.90x the one kernel, about what the portable backward runs (0.86-0.92x), so not there.
+#: At D 64 they ran 0.85-0.90x the one kernel, about what the portable backward runs (0.86-0.92x), so not there.
 HOPPER_DETERMINISTIC_DQ: frozenset[int] = frozenset({128})
 
 
@@ -473,6 +473,22 @@ def override_decode(adjust: Callable[[DecodePlan], DecodePlan]) -> Iterator[None
         _adjust_decode = saved
 
 
+_HOPPER_TABLE_STATES: dict[tuple, int] = {}
+
+
+def _hopper_tables_changed() -> None:
+    global hopper_tables_version
+    state = (HOPPER_BACKWARD_DQ, tuple(HOPPER_FORWARD.items()), tuple(HOPPER_DQ.items()))
+    hopper_tables_version = _HOPPER_TABLE_STATES.setdefault(state, len(_HOPPER_TABLE_STATES))
+
+
+#: A number for the present contents of the Hopper tables (:data:`HOPPER_FORWARD`, :data:`HOPPER_DQ`,
+#: :data:`HOPPER_BACKWARD_DQ`), part of an eager call's replay signature: a launch recorded under other tiles is
+#: not replayed under these. Changed by :func:`hopper_dq_kernel` and :func:`hopper_tiles`, the ways to change them.
+hopper_tables_version = 0
+_hopper_tables_changed()
+
+
 @contextlib.contextmanager
 def hopper_dq_kernel(dims=tuple(HOPPER_DQ)) -> Iterator[None]:
     """Inside the block, the Hopper backward computes dQ with its kernel of its own at these padded head dims
@@ -480,10 +496,30 @@ def hopper_dq_kernel(dims=tuple(HOPPER_DQ)) -> Iterator[None]:
     global HOPPER_BACKWARD_DQ
     saved = HOPPER_BACKWARD_DQ
     HOPPER_BACKWARD_DQ = frozenset(dims)
+    _hopper_tables_changed()
     try:
         yield
     finally:
         HOPPER_BACKWARD_DQ = saved
+        _hopper_tables_changed()
+
+
+@contextlib.contextmanager
+def hopper_tiles(forward: dict[int, HopperForwardTile] | None = None,
+                 dq: dict[int, HopperForwardTile] | None = None) -> Iterator[None]:
+    """Inside the block, the Hopper forward and dQ kernels take these tiles at these padded head dims (entries of
+    :data:`HOPPER_FORWARD` and :data:`HOPPER_DQ`): for tools that time a tile against the table's."""
+    saved = dict(HOPPER_FORWARD), dict(HOPPER_DQ)
+    HOPPER_FORWARD.update(forward or {})
+    HOPPER_DQ.update(dq or {})
+    _hopper_tables_changed()
+    try:
+        yield
+    finally:
+        for table, before in zip((HOPPER_FORWARD, HOPPER_DQ), saved, strict=True):
+            table.clear()
+            table.update(before)
+        _hopper_tables_changed()
 
 
 @contextlib.contextmanager

@@ -356,13 +356,13 @@ _BACKWARD_CALLS = PreparedCache()
 
 def _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, *extra):
     """What an eager dense call's launches depend on besides the tensors' addresses and the seed (shapes, strides,
-    dtype, device, band, scale, dropout, whether the seed is an int or on the device, the kernel path), or None
-    for calls that are not replayed (traced or packed calls, prepared launches off). A device seed (how compiled
-    graphs and CUDA graphs pass it) is one of the replay's tensors (:func:`_seed_tensor`)."""
+    dtype, device, band, scale, dropout, whether the seed is an int or on the device, the kernel path, the Hopper
+    tiles), or None for calls that are not replayed (traced or packed calls, prepared launches off). A device seed
+    (how compiled graphs and CUDA graphs pass it) is one of the replay's tensors (:func:`_seed_tensor`)."""
     if traceable or varlen is not None or not prepared_launches_enabled():
         return None
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index, left, right, scale,
-            dropout_p, type(seed) is int, configs.path(), *extra)
+            dropout_p, type(seed) is int, configs.path(), configs.hopper_tables_version, *extra)
 
 
 def _seed_words(dropout_p: float, seed: Seed) -> tuple[int, int]:
