@@ -133,6 +133,21 @@ def _tile(bh, pid_m, Hq, GROUP, Sk, lo_shift, hi_shift, HAS_LEFT: gl.constexpr, 
 
 
 @gluon.jit
+def _own_rows(m0, start, Sq, Sk, lo_shift, hi_shift, row_layout: gl.constexpr, HALF: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``(m_own, rows, full_lo, full_hi, own_end)`` of consumer ``HALF``'s 64 rows of the tile at ``m0`` (whose
+    walk starts at key ``start``): its first row and rows, the key range it needs no mask in, and the end of its
+    own walk (``start`` when every row lies past Sq: it computes nothing)."""
+    m_own = m0 + HALF * HALF_M
+    rows = m_own + gl.arange(0, HALF_M, layout=row_layout)
+    _, full_lo, full_hi, own_end = _key_blocks(m_own, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, HALF_M,
+                                               BLOCK_N)
+    if m_own >= Sq:
+        own_end = start
+    return m_own, rows, full_lo, full_hi, own_end
+
+
+@gluon.jit
 def _producer(loads, tiling, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr, PAIRED: gl.constexpr):
     """The TMA loads of each tile the program takes, in the order the consumers use them (``_load_tile``)."""
@@ -260,12 +275,8 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
     b, h, _, m0, start, end = _tile(bh, pid_m, Hq, GROUP, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT,
                                     CONSUMERS * HALF_M, BLOCK_N)
-    m_own = m0 + HALF * HALF_M
-    rows = m_own + gl.arange(0, HALF_M, layout=row_layout)
-    _, full_lo, full_hi, own_end = _key_blocks(m_own, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, HALF_M,
-                                               BLOCK_N)
-    if m_own >= Sq:
-        own_end = start
+    m_own, rows, full_lo, full_hi, own_end = _own_rows(m0, start, Sq, Sk, lo_shift, hi_shift, row_layout, HALF,
+                                                       HAS_LEFT, HAS_RIGHT, BLOCK_N)
     m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
     acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, layout=o_layout)

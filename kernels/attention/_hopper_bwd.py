@@ -197,6 +197,14 @@ def _load_drop_signs(mask_buffer, t_layout: gl.constexpr):
 
 
 @gluon.jit
+def _key_program(Hkv, BLOCK_N: gl.constexpr):
+    """``(b, hk, n0)``: the batch, key/value head and first key of this program (both Hopper dK/dV kernels; the grid
+    is (key blocks, B * Hkv))."""
+    pid_bh = gl.program_id(1)
+    return pid_bh // Hkv, pid_bh % Hkv, gl.program_id(0) * BLOCK_N
+
+
+@gluon.jit
 def _ring_step(i, query_blocks, hk, GROUP, start_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Step ``i`` of a program's walk over its GQA group's query heads (``query_blocks`` blocks each): the ring
     slot, the phase its ready barriers complete in on this pass, the query head and the block's first row."""
@@ -420,11 +428,7 @@ def _attn_bwd_hopper_kernel(
     # with dropout the producer is a warpgroup: it draws the keep masks too
     PRODUCER_WARPS: gl.constexpr = 4 if DROPOUT else 1
     FIRST_HALF: gl.constexpr = 0
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
-    n0 = pid_n * BLOCK_N
+    b, hk, n0 = _key_program(Hkv, BLOCK_N)
     scale = scale.to(gl.float32)
     b_heads = b * Hkv * GROUP  # query heads of the batches before b: the dropout counter's head word is b_heads + h
     if DROPOUT:

@@ -57,9 +57,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.attention._hopper import (
     CONSUMER_ROWS,
-    _key_blocks,
     _load_kv_blocks,
     _masked_scores,
+    _own_rows,
     _tile,
     register_operand,
     warpgroup_accumulator,
@@ -113,12 +113,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_read
     do_tile = do_smem.index(HALF).reshape([HALF_M, BLOCK_D])
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
     scale_log2 = scale * _LOG2E
-    m_own = m0 + HALF * HALF_M
-    rows = m_own + gl.arange(0, HALF_M, layout=row_layout)
-    _, full_lo, full_hi, own_end = _key_blocks(m_own, Sk, lo_shift, hi_shift, HAS_LEFT, HAS_RIGHT, HALF_M,
-                                               BLOCK_N)
-    if m_own >= Sq:
-        own_end = start
+    m_own, rows, full_lo, full_hi, own_end = _own_rows(m0, start, Sq, Sk, lo_shift, hi_shift, row_layout, HALF,
+                                                       HAS_LEFT, HAS_RIGHT, BLOCK_N)
     # rows past Sq, and rows that saw no key (lse = -inf), get +inf: P = 0 there
     stats = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows
     lse = gl.load(lse_ptr + stats, mask=rows < Sq, other=float("inf"))

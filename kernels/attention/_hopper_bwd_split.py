@@ -65,6 +65,7 @@ from kernels.attention._hopper import warpgroup_accumulator
 from kernels.attention._hopper_bwd import (
     DQ_TILE_COLS,
     _band_kept,
+    _key_program,
     _query_blocks,
     _ring_step,
     _stage_query_stats,
@@ -257,11 +258,7 @@ def _attn_bwd_hopper_split_kernel(
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WRITE_DQ: gl.constexpr,
 ):
     FIRST_HALF: gl.constexpr = 0
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
-    n0 = pid_n * BLOCK_N
+    b, hk, n0 = _key_program(Hkv, BLOCK_N)
     scale = scale.to(gl.float32)
     lo_shift = Sk - Sq - LEFT
     hi_shift = Sk - Sq + RIGHT
