@@ -4,7 +4,7 @@
 
     python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
         [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward]
-        [--dropout P [--no-check]] [--hopper-dq DIMS] [--hopper-tile KERNEL:D:BLOCK_N,STAGES ...]
+        [--dropout P [--no-check]] [--hopper-dq DIMS] [--hopper-tile KERNEL:D:BLOCK_N,STAGES[,FIELD=N] ...]
     python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
 
 Make the baseline first, e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py``; ``-`` as
@@ -13,8 +13,8 @@ launchers and launch tables (``ops.kernels_from``), so only the jit code differs
 attention kernel's tile (``fwd``, ``dkdv`` or ``dq``) through ``configs.override``; ``--hopper-dq DIMS`` adds a
 variant whose Hopper backward computes dQ by its kernel of its own at exactly these padded head dims
 (``configs.hopper_dq_kernel``; ``--hopper-dq ""``: at none, every dQ by TMA reductions); ``--hopper-tile`` a variant
-whose Hopper forward (``fwd``) or dQ kernel (``dq``) takes another key block and ring depth at padded head dim D
-(``configs.hopper_tiles``). Variants alternate within
+whose Hopper forward (``fwd``) or dQ kernel (``dq``) takes another key block and ring depth at padded head dim D,
+and other fields of its tile by name (``fwd:256:64,2,o_in_q=1``; ``configs.hopper_tiles``). Variants alternate within
 each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is 10-17%, a side by
 side difference is not). Each variant's outputs must match the first's (``--no-check`` skips that, for a
 baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
@@ -66,8 +66,9 @@ def _variants(args) -> dict[str, Callable[[], contextlib.AbstractContextManager]
 
         kernel, d, numbers = spec.split(":")
         table = {"fwd": configs.HOPPER_FORWARD, "dq": configs.HOPPER_DQ}[kernel]
-        block_n, stages = (int(x) for x in numbers.split(","))
-        tile = {int(d): table[int(d)]._replace(block_n=block_n, stages=stages)}
+        block_n, stages, *fields = numbers.split(",")
+        named = {key: int(value) for key, value in (field.split("=") for field in fields)}
+        tile = {int(d): table[int(d)]._replace(block_n=int(block_n), stages=int(stages), **named)}
         variants[spec] = lambda kernel=kernel, tile=tile: configs.hopper_tiles(**{
             "forward" if kernel == "fwd" else "dq": tile})
     for spec in args.tile:
@@ -171,9 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hopper-dq", metavar="DIMS",
                         help="attention: a variant whose Hopper backward takes the dQ kernel of its own at these "
                              "padded head dims (comma-separated; empty: none)")
-    parser.add_argument("--hopper-tile", action="append", default=[], metavar="KERNEL:D:BLOCK_N,STAGES",
+    parser.add_argument("--hopper-tile", action="append", default=[], metavar="KERNEL:D:BLOCK_N,STAGES[,FIELD=N]",
                         help="attention: a variant whose Hopper forward (fwd) or dQ kernel (dq) at padded head dim D "
-                             "takes this key block and ring depth (repeatable)")
+                             "takes this key block and ring depth, and other tile fields by name (repeatable)")
     parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
     args = parser.parse_args(argv)
     variants = _variants(args)

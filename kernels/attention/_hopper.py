@@ -20,11 +20,15 @@ Schedule (one program = 64 query rows per consumer warpgroup, two or three consu
 - register budget (``configs.HOPPER_FORWARD``): the producer warpgroup gives its registers back (24 per thread)
   and the consumers share the rest: at D 128 two consumers of 240 (two 64 x 128 fp32 accumulators, S and O, and
   P), at D 64 three of 160 (S 64 x 128, O 64 x 64, P), because at D 64 two consumers leave the tensor cores
-  waiting on the softmax and a third warpgroup fills that time; at D 256 two of 240 with 32-key blocks (O 64 x 256
-  takes 128 registers; Q, O and the K/V ring take 197 KB of shared memory, 262 KB with 64-key blocks).
+  waiting on the softmax and a third warpgroup fills that time; at D 256 two of 240 with 64-key blocks (O 64 x 256
+  takes 128 registers).
+- shared memory: Q tiles, O staging tiles and the K/V ring. At D 256 a 64-key ring beside Q and O tiles would need
+  262 KB, so O is staged in the consumer's own Q tile (``O_IN_Q``), dead once the tile's last Q K^T is done; the
+  producer then loads the next tile's Q only once the O store has read it. 32-key blocks without that fit, but
+  read K and Q from shared memory as fast as the tensor cores consume them (measured 1.18-1.29x slower).
 - **persistent** (``PERSISTENT``, D 128 and 256 calls without a left band edge): one program per SM takes work items
   round robin; the K/V ring and the barrier phases run on across tiles, a consumer releases its Q rows once its last
-  Q K^T is done (the producer loads the next tile's Q while it finishes) and stages O in its own shared-memory tile.
+  Q K^T is done (the producer loads the next tile's Q while it finishes; with ``O_IN_Q`` once O has left them).
   A static deal needs items of equal cost: without a band every tile is one; under a causal mask (a right edge
   alone) an item is a head's i-th longest and i-th shortest query blocks together (``PAIRED``), whose key blocks add
   up to the same count. Dealing the causal tiles singly measured 0.55-0.85x one program per tile (the programs' work
@@ -238,7 +242,7 @@ def _softmax_step(s, m_i, l_i, rows, n0, full_lo, full_hi, Sk, lo_shift, hi_shif
 @gluon.jit
 def _consumer(buffers, tiling, out, HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-              PERSISTENT: gl.constexpr, PAIRED: gl.constexpr):
+              PERSISTENT: gl.constexpr, PAIRED: gl.constexpr, O_IN_Q: gl.constexpr):
     """Consumer ``HALF``'s 64 rows of each tile the program takes (``_consume_tile``)."""
     items, per_head, tiles_m, _, _, _, _, _ = tiling
     block = 0  # K/V blocks of the ring passed so far, as the producer counts them
@@ -247,7 +251,7 @@ def _consumer(buffers, tiling, out, HALF: gl.constexpr, HAS_LEFT: gl.constexpr, 
         bh, first, second, count = _item_blocks(turn, per_head, tiles_m, HAS_RIGHT, PAIRED)
         for j in range(count):
             block = _consume_tile(buffers, tiling, out, bh, first + j * (second - first), block, tile, HALF,
-                                  HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS)
+                                  HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS, O_IN_Q)
             tile += 1
     tma.store_wait(0)
 
@@ -255,12 +259,13 @@ def _consumer(buffers, tiling, out, HALF: gl.constexpr, HAS_LEFT: gl.constexpr, 
 @gluon.jit
 def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMERS: gl.constexpr):
+                  CONSUMERS: gl.constexpr, O_IN_Q: gl.constexpr):
     """Consumer ``HALF``'s 64 rows of query block ``pid_m`` of (batch, head) ``bh``, the program's tile number
     ``tile``, whose first key block is the ring's block number ``block``; returns the ring's count after the tile.
     It computes over the key blocks its own rows need (the tile's first block to its own last, interior blocks by
     its own rows), then releases the tile's remaining blocks unread; a consumer whose rows all lie past Sq computes
-    nothing."""
+    nothing. With ``O_IN_Q`` it stages O in its own Q tile, and releases the tile to the producer only once the O
+    store has read it."""
     q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = buffers
     _, _, _, Hq, GROUP, Sk, lo_shift, hi_shift = tiling
     o_desc, lse_ptr, stride_lb, stride_lh, Sq, scale_log2 = out
@@ -312,14 +317,15 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        # every Q K^T of this tile has completed: the producer may load the next tile's Q rows here
-        mbarrier.arrive(q_empty.index(HALF), count=1)
+        if not O_IN_Q:
+            # every Q K^T of this tile has completed: the producer may load the next tile's Q rows here
+            mbarrier.arrive(q_empty.index(HALF), count=1)
         last = block + n_blocks - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-    else:
+    elif not O_IN_Q:
         mbarrier.arrive(q_empty.index(HALF), count=1)
 
     if m_own < Sq:
@@ -338,6 +344,12 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
         o_tile.store(o.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [b, h, m_own, 0], o_smem.index(HALF))
+        if O_IN_Q:
+            # O was staged in the Q tile: the next tile's Q may land there once the store has read it
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(HALF), count=1)
+    elif O_IN_Q:
+        mbarrier.arrive(q_empty.index(HALF), count=1)
     # the tile's blocks past this consumer's own rows: wait for each to land (an arrival counts toward the phase
     # in flight) and release it, so that the producer can refill the slot for the other consumers
     for i in range(n_blocks, gl.cdiv(end - start, BLOCK_N)):
@@ -357,7 +369,7 @@ def _attn_fwd_hopper_kernel(
     B, Hq, GROUP, Sq, Sk, scale_log2, LEFT, RIGHT,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    PERSISTENT: gl.constexpr, PAIRED: gl.constexpr,
+    PERSISTENT: gl.constexpr, PAIRED: gl.constexpr, O_IN_Q: gl.constexpr,
 ):
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
@@ -369,7 +381,10 @@ def _attn_fwd_hopper_kernel(
 
     # list concatenation, not [n, *shape]: the Gluon frontend has no starred expressions
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)  # noqa: RUF005
-    o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)  # noqa: RUF005
+    if O_IN_Q:
+        o_smem = q_smem  # Q and O tiles have one shape, dtype and layout
+    else:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)  # noqa: RUF005
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # noqa: RUF005
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -396,18 +411,18 @@ def _attn_fwd_hopper_kernel(
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (buffers, tiling, out, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED)),
+                         PERSISTENT, PAIRED, O_IN_Q)),
             (_consumer, (buffers, tiling, out, SECOND, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED)),
+                         PERSISTENT, PAIRED, O_IN_Q)),
             (_consumer, (buffers, tiling, out, THIRD, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED)),
+                         PERSISTENT, PAIRED, O_IN_Q)),
             (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT, PAIRED)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (buffers, tiling, out, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED)),
+                         PERSISTENT, PAIRED, O_IN_Q)),
             (_consumer, (buffers, tiling, out, SECOND, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED)),
+                         PERSISTENT, PAIRED, O_IN_Q)),
             (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT, PAIRED)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

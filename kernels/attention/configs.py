@@ -152,6 +152,7 @@ class HopperForwardTile(NamedTuple):
     producer_regs: int  # of the TMA producer warpgroup
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
     persistent: bool = True  # calls without a left band edge: one program per SM walking the tiles (else one per tile)
+    o_in_q: bool = False  # O is staged for its TMA store in the consumer's Q tile (else in a tile of its own)
 
     @property
     def query_rows(self) -> int:
@@ -167,10 +168,11 @@ HOPPER_FORWARD: dict[int, HopperForwardTile] = {
     # Not persistent: the tile loop's state would spill these 160-register consumers.
     64: HopperForwardTile(128, 2, 3, 160, 24, 128, persistent=False),
     128: HopperForwardTile(128, 2, 2, 240, 24, 168),
-    # D 256: 32-key blocks, so that Q and O (64 KiB each) and the K/V ring (64 KiB) fit in shared memory (64-key
-    # blocks would need 262 KB); the 64 x 256 O accumulator takes 128 registers, no spills. 1.26-1.32x the portable
-    # forward (H100, bf16, S 1024-4096), 1.03-1.06x one program per tile.
-    256: HopperForwardTile(32, 2, 2, 240, 24, 168),
+    # D 256: 64-key blocks with O staged in the Q tile, so that Q (64 KiB) and a two-slot K/V ring (128 KiB) fit in
+    # shared memory (a tile of O's own would need 262 KB); the 64 x 256 O accumulator takes 128 registers. 1.18-1.29x
+    # 32-key blocks with an O tile of its own (H100, bf16, S 1024-8192): a 32-key Q K^T reads as many shared-memory
+    # bytes per FLOP as the tensor cores can take, a 64-key one two thirds.
+    256: HopperForwardTile(64, 2, 2, 240, 24, 168, o_in_q=True),
 }
 
 

@@ -198,7 +198,7 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
         _descriptor(q, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block), _descriptor(o, q_block),
         lse, lse.stride(0), lse.stride(1), b, hq, hq // hkv, sq, sk, scale * 1.4426950408889634, *band, **band_flags,
         BLOCK_N=t.block_n, BLOCK_D=bd, STAGES=t.stages, CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs,
-        PRODUCER_REGS=t.producer_regs, PERSISTENT=persistent, PAIRED=paired, num_warps=4,
+        PRODUCER_REGS=t.producer_regs, PERSISTENT=persistent, PAIRED=paired, O_IN_Q=t.o_in_q, num_warps=4,
         maxnreg=t.maxnreg,
     )
 
