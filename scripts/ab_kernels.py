@@ -5,6 +5,7 @@
     python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
         [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward]
         [--dropout P [--no-check]] [--hopper-dq DIMS] [--hopper-tile KERNEL:D:BLOCK_N,STAGES[,FIELD=N] ...]
+        [--group G] [--shape B,HQ,HKV,SQ,SK ...] [--path P ...]
     python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
 
 Make the baseline first, e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py``; ``-`` as
@@ -13,13 +14,15 @@ launchers and launch tables (``ops.kernels_from``), so only the jit code differs
 attention kernel's tile (``fwd``, ``dkdv`` or ``dq``) through ``configs.override``; ``--hopper-dq DIMS`` adds a
 variant whose Hopper backward computes dQ by its kernel of its own at exactly these padded head dims
 (``configs.hopper_dq_kernel``; ``--hopper-dq ""``: at none, every dQ by TMA reductions); ``--hopper-tile`` a variant
-whose Hopper forward (``fwd``) or dQ kernel (``dq``) takes another key block and ring depth at padded head dim D,
-and other fields of its tile by name (``fwd:256:64,2,o_in_q=1``; ``configs.hopper_tiles``). Variants alternate within
-each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is 10-17%, a side by
-side difference is not). Each variant's outputs must match the first's (``--no-check`` skips that, for a
-baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
-Prints TFLOP/s (attention, B * S = 16k tokens, H * D = 2048, causal and not) or GB/s (layernorm and
-RMSNorm, M * N = 2^27, bf16) and the ratio to the first variant.
+whose Hopper forward (``fwd``), dQ kernel (``dq``) or backward (``bwd``; its key block stays 128) takes another key
+block and ring depth at padded head dim D, and other fields of its tile by name (``fwd:256:64,2,o_in_q=1``,
+``bwd:128:128,2,split_96=0``; ``configs.hopper_tiles``; a field ``path=hopper`` also forces that kernel path);
+``--path P`` a variant on kernel path P.
+Variants alternate within each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is
+10-17%, a side by side difference is not). Each variant's outputs must match the first's (``--no-check`` skips
+that, for a baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
+Prints TFLOP/s (attention, B * S = 16k tokens, H * D = 2048, ``--group`` query heads per K/V head, causal and not)
+or GB/s (layernorm and RMSNorm, M * N = 2^27, bf16) and the ratio to the first variant.
 """
 
 from __future__ import annotations
@@ -56,29 +59,43 @@ def _variants(args) -> dict[str, Callable[[], contextlib.AbstractContextManager]
         baseline = _load(args.baseline, args.family)
         variants["base"] = lambda: ops.kernels_from(baseline)
     variants["this"] = contextlib.nullcontext
-    if args.hopper_dq is not None:
-        from kernels.attention import configs
+    if args.family != "attention":
+        return variants
+    from kernels.attention import configs
 
+    if args.hopper_dq is not None:
         dims = tuple(int(x) for x in args.hopper_dq.split(",") if x)
         variants[f"dq-kernel@{','.join(map(str, dims)) or 'none'}"] = lambda: configs.hopper_dq_kernel(dims)
+    for path in args.path:
+        variants[f"path:{path}"] = lambda path=path: configs.forced_path(path)
     for spec in args.hopper_tile:
-        from kernels.attention import configs
-
         kernel, d, numbers = spec.split(":")
-        table = {"fwd": configs.HOPPER_FORWARD, "dq": configs.HOPPER_DQ}[kernel]
+        table = {"fwd": configs.HOPPER_FORWARD, "dq": configs.HOPPER_DQ, "bwd": configs.HOPPER_BACKWARD}[kernel]
         block_n, stages, *fields = numbers.split(",")
-        named = {key: int(value) for key, value in (field.split("=") for field in fields)}
-        tile = {int(d): table[int(d)]._replace(block_n=int(block_n), stages=int(stages), **named)}
-        variants[spec] = lambda kernel=kernel, tile=tile: configs.hopper_tiles(**{
-            "forward" if kernel == "fwd" else "dq": tile})
+        named = dict(field.split("=") for field in fields)
+        path = named.pop("path", None)
+        named = {key: int(value) for key, value in named.items()}
+        named["stages"] = int(stages)
+        if kernel != "bwd":  # the backward's key block is fixed (128 keys, two consumers of 64)
+            named["block_n"] = int(block_n)
+        tile = {int(d): table[int(d)]._replace(**named)}
+        variants[spec] = lambda kernel=kernel, tile=tile, path=path: _all(
+            configs.hopper_tiles(**{{"fwd": "forward", "dq": "dq", "bwd": "backward"}[kernel]: tile}),
+            configs.forced_path(path) if path else contextlib.nullcontext())
     for spec in args.tile:
-        from kernels.attention import configs
-
         kernel, numbers = spec.split(":")
         forced = configs.Tile(*(int(x) for x in numbers.split(",")))
         variants[spec] = lambda kernel=kernel, forced=forced: configs.override(
             lambda q, t: forced if q.kernel == kernel and q.dtype == "16-bit" else t)
     return variants
+
+
+@contextlib.contextmanager
+def _all(*managers):
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
 
 
 def _timed(variants, run, rounds: int, label: str, check_outputs: bool = True) -> dict[str, float]:
@@ -111,11 +128,16 @@ def _attention(args, variants) -> None:
     dtype = getattr(torch, args.dtype)
     drop = {"dropout_p": args.dropout, "seed": 1234} if args.dropout else {}
     for d in (int(x) for x in args.dims.split(",")):
-        for s in (int(x) for x in args.lengths.split(",")):
-            b, h = 16384 // s, 2048 // d
-            q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(4))
+        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shape] or [
+            (16384 // s, 2048 // d, 2048 // d // args.group, s, s) for s in (int(x) for x in args.lengths.split(","))]
+        for b, h, hkv, sq, sk in shapes:
+            q, do = (torch.randn(b, h, sq, d, device="cuda", dtype=dtype) for _ in range(2))
+            k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype) for _ in range(2))
             for causal in (False, True):
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                pairs = sq * sk
+                if causal:  # half when Sq = Sk, as the benchmark tables count; else the bottom-right band's pairs
+                    pairs = pairs / 2 if sq == sk else sq * sk - (sq * (sq - 1) // 2 if sq < sk else sk * (sk + 1) // 2)
+                flops = 4 * b * h * pairs * d
                 if args.backward:
                     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
                     run = lambda: torch.autograd.grad(flash_attention(qg, kg, vg, causal=causal, **drop), (qg, kg, vg),
@@ -123,7 +145,8 @@ def _attention(args, variants) -> None:
                     flops *= 3.5  # forward + backward (2.5x)
                 else:
                     run = lambda: (flash_attention(q, k, v, causal=causal, **drop),)
-                label = f"D={d} S={s} {'causal' if causal else 'full'}"
+                size = f"B{b} H{h}/{hkv} Sq{sq} Sk{sk}" if args.shape else f"S={sq}"
+                label = f"D={d} {size} {'causal' if causal else 'full'}"
                 medians = _timed(variants, run, args.rounds, label, not args.no_check)
                 _print(label, medians, {name: flops / ms / 1e9 for name, ms in medians.items()}, "TFLOP/s")
 
@@ -173,8 +196,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="attention: a variant whose Hopper backward takes the dQ kernel of its own at these "
                              "padded head dims (comma-separated; empty: none)")
     parser.add_argument("--hopper-tile", action="append", default=[], metavar="KERNEL:D:BLOCK_N,STAGES[,FIELD=N]",
-                        help="attention: a variant whose Hopper forward (fwd) or dQ kernel (dq) at padded head dim D "
-                             "takes this key block and ring depth, and other tile fields by name (repeatable)")
+                        help="attention: a variant whose Hopper forward (fwd), dQ kernel (dq) or backward (bwd) at "
+                             "padded head dim D takes this key block and ring depth, and other tile fields by name "
+                             "(repeatable)")
+    parser.add_argument("--shape", action="append", default=[], metavar="B,HQ,HKV,SQ,SK",
+                        help="attention: time these shapes (repeatable) instead of the --lengths grid")
+    parser.add_argument("--path", action="append", default=[], choices=("auto", "hopper", "portable"),
+                        help="attention: a variant that runs on this kernel path (repeatable)")
+    parser.add_argument("--group", type=int, default=1, help="attention: query heads per key/value head (GQA)")
     parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
     args = parser.parse_args(argv)
     variants = _variants(args)

@@ -486,3 +486,32 @@ def test_hopper_launches_take_the_cached_path():
     for kernel in (_hopper._attn_fwd_hopper_kernel, _hopper_bwd._attn_bwd_hopper_kernel,
                    _hopper_bwd_split._attn_bwd_hopper_split_kernel):
         assert _fast_launcher(kernel)._compiled, kernel.__name__
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("split_96", [True, False], ids=["columns96", "columns128"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=lambda p: f"p{p}")
+@pytest.mark.parametrize("case", [
+    (1, 8, 2, 777, 777, 96, True, (-1, -1), torch.bfloat16, "bhsd"),
+    (2, 4, 4, 300, 500, 80, False, (-1, -1), torch.float16, "bshd"),
+    (1, 6, 6, 400, 400, 72, False, (100, 20), torch.bfloat16, "bhsd"),
+], ids=str)
+def test_head_dims_up_to_96_give_torchs_gradients_over_96_columns_or_the_whole_tile(case, dropout_p, split_96):
+    """Head dims 65-96 run in the D 128 Hopper tiles either over 64 + 32 columns (``split_96``, ``D_SPLIT``; the
+    default) or over the whole 128-column tile: the output (forward on the Hopper kernel without dropout) and every
+    gradient within twice torch's error either way."""
+    *dims, causal, window, dtype, layout = case
+    q, k, v = _qkv(*dims, dtype, layout)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    kw = {"causal": causal, "window_size": window, "dropout_p": dropout_p, "seed": 3}
+    with configs.forced_path("hopper"), configs.hopper_tiles(
+            forward={128: configs.HOPPER_FORWARD[128]._replace(split_96=split_96)},
+            backward={128: configs.HOPPER_BACKWARD[128]._replace(split_96=split_96)}):
+        assert ops.uses_hopper_backward(q, k, v, do, dropout_p=dropout_p)
+        assert ops.uses_hopper_forward(q, k, v, dropout_p=dropout_p) == (dropout_p == 0)
+        got = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+    peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, causal, window, dropout_p, 3), q, k, v, do)
+    reference = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q.double(), k.double(), v.double(), do.double())
+    for name, g, p, r in zip(("o", "dq", "dk", "dv"), got, peer, reference, strict=True):
+        assert_no_worse_than_torch(name, g, p, r, atol=ATOL[dtype])

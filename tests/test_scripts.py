@@ -29,3 +29,29 @@ def test_every_tool_prints_its_usage(tool):
     done = subprocess.run([*command, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower() or "Knobs" in done.stdout, done.stdout[:500]
+
+
+def test_ab_kernels_variants_set_what_they_name_and_restore_it():
+    """Each attention variant of ``scripts.ab_kernels`` changes the configuration it names inside its block (path,
+    tile fields) and nothing after it."""
+    import argparse
+
+    from kernels.attention import configs
+    from scripts import ab_kernels
+
+    tiles = ["bwd:128:128,2,split_96=0", "fwd:64:128,2,persistent=1,path=hopper"]
+    args = argparse.Namespace(family="attention", baseline="-", hopper_dq=None, path=["portable"], hopper_tile=tiles,
+                              tile=[])
+    before = (configs.path(), configs.HOPPER_BACKWARD[128], configs.HOPPER_FORWARD[64], configs.hopper_tables_version)
+    seen = {}
+    for name, variant in ab_kernels._variants(args).items():
+        with variant():
+            seen[name] = (configs.path(), configs.HOPPER_BACKWARD[128].split_96, configs.HOPPER_FORWARD[64].persistent)
+    assert seen == {
+        "this": (before[0], True, False),
+        "path:portable": ("portable", True, False),
+        "bwd:128:128,2,split_96=0": (before[0], False, False),
+        "fwd:64:128,2,persistent=1,path=hopper": ("hopper", True, True),
+    }
+    assert (configs.path(), configs.HOPPER_BACKWARD[128], configs.HOPPER_FORWARD[64],
+            configs.hopper_tables_version) == before

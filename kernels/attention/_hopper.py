@@ -44,6 +44,11 @@ zeros and clips the store), no dropout, no packed batches (under torch.compile i
 (``configs.prefers_hopper_forward``: the default path takes grids of two programs per SM or more, at D 64 from
 S 2048); the backward has its own kernels (``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
 
+Head dims 65-96 (``D_SPLIT``, ``split_96`` in ``configs.HOPPER_FORWARD``): their tiles are 128 columns wide (TMA
+fills the rest with zeros), and Q K^T and P V run over the 96 columns that count, as 64 + 32 column slices of the
+shared-memory tiles (a quarter less tensor work; O in 96 registers per thread, not 128): 1.03-1.09x the 128 columns
+at D 96 (H100, S 1024-4096, causal and not).
+
 Trade-offs: masks are applied at run time per key block (a uniform branch), so blocks crossing a band edge
 or the end of K pay for the compare-and-select and interior blocks do not; the registers leave room for one
 program per SM, so without persistence a short program's prologue and epilogue run alone (why short causal and
@@ -86,6 +91,33 @@ def warpgroup_accumulator(columns):
 def register_operand(accumulator):
     """The layout of a wgmma A operand held in registers (P, dS), for a product accumulating in ``accumulator``."""
     return gl.DotOperandLayout(operand_index=0, parent=accumulator, k_width=2)
+
+
+@gluon.jit
+def _over_head_dim(a_tile, b_tile, t_zero, D_SPLIT: gl.constexpr):
+    """``a_tile b_tile^T`` summed over the head dim (``S = Q K^T``; in the backward ``S^T = K Q^T``, ``dP^T = V dO^T``),
+    issued, not waited for: with ``D_SPLIT`` over its first 96 columns only (64 + 32: the rest is the padding of
+    head dims 65-96)."""
+    if D_SPLIT:
+        acc = warpgroup_mma(a_tile.slice(0, 64, dim=1), b_tile.slice(0, 64, dim=1).permute((1, 0)), t_zero,
+                            use_acc=False, is_async=True)
+        acc = warpgroup_mma(a_tile.slice(64, 32, dim=1), b_tile.slice(64, 32, dim=1).permute((1, 0)), acc,
+                            is_async=True)
+    else:
+        acc = warpgroup_mma(a_tile, b_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _add_product_in_parts(op, b_tile, acc_lo, acc_hi, lo_layout: gl.constexpr, hi_layout: gl.constexpr):
+    """``acc += op b_tile`` (``O += P V``; in the backward ``dV += P^T dO``, ``dK += dS^T Q``) over the tile's columns
+    0-63 into ``acc_lo`` and 64-95 into ``acc_hi``, issued, not waited for: ``(op_lo, op_hi, acc_lo, acc_hi)``, the
+    register operand in each part's layout (to be kept until the products complete) and the accumulators."""
+    op_lo = gl.convert_layout(op, register_operand(lo_layout))
+    op_hi = gl.convert_layout(op, register_operand(hi_layout))
+    acc_lo = warpgroup_mma(op_lo, b_tile.slice(0, 64, dim=1), acc_lo, is_async=True)
+    acc_hi = warpgroup_mma(op_hi, b_tile.slice(64, 32, dim=1), acc_hi, is_async=True)
+    return op_lo, op_hi, acc_lo, acc_hi
 
 
 @gluon.jit
@@ -240,9 +272,17 @@ def _softmax_step(s, m_i, l_i, rows, n0, full_lo, full_hi, Sk, lo_shift, hi_shif
 
 
 @gluon.jit
+def _normalised(acc, safe_l, seen, layout: gl.constexpr):
+    """O = acc / l row by row in ``layout``, and 0 in the rows that saw no key (``seen`` False)."""
+    rows: gl.constexpr = gl.SliceLayout(1, layout)
+    o = acc * gl.expand_dims(gl.convert_layout(1.0 / safe_l, rows), 1)
+    return gl.where(gl.expand_dims(gl.convert_layout(seen, rows), 1), o, 0.0)
+
+
+@gluon.jit
 def _consumer(buffers, tiling, out, HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-              PERSISTENT: gl.constexpr, PAIRED: gl.constexpr, O_IN_Q: gl.constexpr):
+              PERSISTENT: gl.constexpr, PAIRED: gl.constexpr, O_IN_Q: gl.constexpr, D_SPLIT: gl.constexpr):
     """Consumer ``HALF``'s 64 rows of each tile the program takes (``_consume_tile``)."""
     items, per_head, tiles_m, _, _, _, _, _ = tiling
     block = 0  # K/V blocks of the ring passed so far, as the producer counts them
@@ -251,7 +291,7 @@ def _consumer(buffers, tiling, out, HALF: gl.constexpr, HAS_LEFT: gl.constexpr, 
         bh, first, second, count = _item_blocks(turn, per_head, tiles_m, HAS_RIGHT, PAIRED)
         for j in range(count):
             block = _consume_tile(buffers, tiling, out, bh, first + j * (second - first), block, tile, HALF,
-                                  HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS, O_IN_Q)
+                                  HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS, O_IN_Q, D_SPLIT)
             tile += 1
     tma.store_wait(0)
 
@@ -259,7 +299,7 @@ def _consumer(buffers, tiling, out, HALF: gl.constexpr, HAS_LEFT: gl.constexpr, 
 @gluon.jit
 def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMERS: gl.constexpr, O_IN_Q: gl.constexpr):
+                  CONSUMERS: gl.constexpr, O_IN_Q: gl.constexpr, D_SPLIT: gl.constexpr):
     """Consumer ``HALF``'s 64 rows of query block ``pid_m`` of (batch, head) ``bh``, the program's tile number
     ``tile``, whose first key block is the ring's block number ``block``; returns the ring's count after the tile.
     It computes over the key blocks its own rows need (the tile's first block to its own last, interior blocks by
@@ -284,7 +324,16 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
                                                        HAS_LEFT, HAS_RIGHT, BLOCK_N)
     m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
-    acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, layout=o_layout)
+    if D_SPLIT:
+        # O of head dims 65-96 as 64 + 32 columns
+        lo_layout: gl.constexpr = warpgroup_accumulator(64)
+        hi_layout: gl.constexpr = warpgroup_accumulator(32)
+        acc_lo = gl.zeros([HALF_M, 64], gl.float32, layout=lo_layout)
+        acc_hi = gl.zeros([HALF_M, 32], gl.float32, layout=hi_layout)
+    else:
+        acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, layout=o_layout)
+    # wgmma groups that P V adds while S is waited for
+    PV_GROUPS: gl.constexpr = 2 if D_SPLIT else 1
     n_blocks = gl.cdiv(own_end - start, BLOCK_N)
     # waited for even with nothing to compute, so that the producer's next load of this Q slot follows this one
     mbarrier.wait(q_ready.index(HALF), tile & 1)
@@ -292,8 +341,7 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
         # block 0: scores and softmax only; its P V is issued in the next step
         slot = block % STAGES
         mbarrier.wait(k_ready.index(slot), (block // STAGES) & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
+        s = _over_head_dim(q_tile, k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]), s_zero, D_SPLIT)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start, full_lo, full_hi, Sk, lo_shift, hi_shift,
@@ -304,26 +352,41 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
             prev_phase = ((block + i - 1) // STAGES) & 1
             slot = (block + i) % STAGES
             mbarrier.wait(k_ready.index(slot), ((block + i) // STAGES) & 1)
-            s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
+            s = _over_head_dim(q_tile, k_smem.index(slot).reshape([BLOCK_N, BLOCK_D]), s_zero, D_SPLIT)
             mbarrier.wait(v_ready.index(prev), prev_phase)
-            acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))
+            v_tile = v_smem.index(prev).reshape([BLOCK_N, BLOCK_D])
+            if D_SPLIT:
+                p_lo, p_hi, acc_lo, acc_hi = _add_product_in_parts(p_op, v_tile, acc_lo, acc_hi, lo_layout,
+                                                                   hi_layout)
+            else:
+                acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+            s = warpgroup_mma_wait(PV_GROUPS, deps=(s,))
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start + i * BLOCK_N, full_lo, full_hi, Sk,
                                                lo_shift, hi_shift, scale_log2, s_layout, HAS_LEFT, HAS_RIGHT,
                                                BLOCK_N)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+            if D_SPLIT:
+                acc_lo, acc_hi, p_lo, p_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi, p_lo, p_hi))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc_lo = acc_lo * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, lo_layout)), 1)
+                acc_hi = acc_hi * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, hi_layout)), 1)
+            else:
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         if not O_IN_Q:
             # every Q K^T of this tile has completed: the producer may load the next tile's Q rows here
             mbarrier.arrive(q_empty.index(HALF), count=1)
         last = block + n_blocks - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        v_tile = v_smem.index(last % STAGES).reshape([BLOCK_N, BLOCK_D])
+        if D_SPLIT:
+            p_lo, p_hi, acc_lo, acc_hi = _add_product_in_parts(p_op, v_tile, acc_lo, acc_hi, lo_layout, hi_layout)
+            acc_lo, acc_hi, p_lo, p_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi, p_lo, p_hi))
+        else:
+            acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
     elif not O_IN_Q:
         mbarrier.arrive(q_empty.index(HALF), count=1)
@@ -332,16 +395,23 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
         # l = 0 only for a row that saw no key; `l > 0` would turn a NaN row into zeros instead of propagating it
         seen = ~(l_i == 0.0)
         safe_l = gl.where(seen, l_i, 1.0)
-        inv_l = gl.convert_layout(1.0 / safe_l, o_row_layout)
-        o = acc * gl.expand_dims(inv_l, 1)
-        o = gl.where(gl.expand_dims(gl.convert_layout(seen, o_row_layout), 1), o, 0.0)
+        if D_SPLIT:
+            o_lo = _normalised(acc_lo, safe_l, seen, lo_layout)
+            o_hi = _normalised(acc_hi, safe_l, seen, hi_layout)
+        else:
+            o = _normalised(acc, safe_l, seen, o_layout)
         lse = gl.where(seen, (m_i + gl.log2(safe_l)) * _LN2, float("-inf"))
         lse_base = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
         gl.store(lse_base + rows, lse, mask=rows < Sq)
         # the previous tile's O must have left this staging tile (the TMA store reads it asynchronously)
         tma.store_wait(0)
         gl.thread_barrier()
-        o_tile.store(o.to(dtype))
+        if D_SPLIT:
+            # the staging tile's columns past 96 go unwritten: the TMA store clips columns past the head dim
+            o_tile.slice(0, 64, dim=1).store(o_lo.to(dtype))
+            o_tile.slice(64, 32, dim=1).store(o_hi.to(dtype))
+        else:
+            o_tile.store(o.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [b, h, m_own, 0], o_smem.index(HALF))
         if O_IN_Q:
@@ -370,6 +440,7 @@ def _attn_fwd_hopper_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     PERSISTENT: gl.constexpr, PAIRED: gl.constexpr, O_IN_Q: gl.constexpr,
+    D_SPLIT: gl.constexpr = False,  # head dims 65-96 in 128-column tiles: products over 64 + 32 columns
 ):
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
@@ -411,18 +482,18 @@ def _attn_fwd_hopper_kernel(
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (buffers, tiling, out, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED, O_IN_Q)),
+                         PERSISTENT, PAIRED, O_IN_Q, D_SPLIT)),
             (_consumer, (buffers, tiling, out, SECOND, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED, O_IN_Q)),
+                         PERSISTENT, PAIRED, O_IN_Q, D_SPLIT)),
             (_consumer, (buffers, tiling, out, THIRD, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED, O_IN_Q)),
+                         PERSISTENT, PAIRED, O_IN_Q, D_SPLIT)),
             (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT, PAIRED)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (buffers, tiling, out, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED, O_IN_Q)),
+                         PERSISTENT, PAIRED, O_IN_Q, D_SPLIT)),
             (_consumer, (buffers, tiling, out, SECOND, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
-                         PERSISTENT, PAIRED, O_IN_Q)),
+                         PERSISTENT, PAIRED, O_IN_Q, D_SPLIT)),
             (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT, PAIRED)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -63,6 +63,12 @@ inside a warpgroup; issuing dP^T before P^T is computed (0.95-1.02x) and computi
 the consumers need not wait on each other (0.95-1.00x) were measured and not kept. At D 128 the consumer spills 72
 bytes without dropout and 168 with.
 
+Head dims 65-96 (``D_SPLIT``, ``split_96`` in ``configs.HOPPER_BACKWARD``): their tiles are 128 columns wide (TMA
+fills the rest with zeros), and every product runs over the 96 columns that count, as 64 + 32 column slices of the
+shared-memory tiles: a quarter less tensor work, and dK and dV take 96 registers per thread instead of 128 (no
+spills, with dropout none either). dQ's columns: the first consumer 0-63, the second 64-95. At D 96 forward +
+backward run 1.10-1.15x the whole 128-column tile (H100, bf16, S 1024-4096, causal and not).
+
 ``WRITE_DQ`` False leaves dQ out (no dS tile, no dQ products or reductions): dQ then comes from
 ``_hopper_bwd_dq.py``, a kernel of its own, which is how ``deterministic=True`` calls run at head dim 128 (1.06-1.19x
 the portable backward; as the default the two kernels ran 0.90-1.06x this one, and 0.85-0.90x at head dim 64).
@@ -90,7 +96,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels._common import philox
 from kernels.attention import _kernels as _portable
-from kernels.attention._hopper import register_operand, warpgroup_accumulator
+from kernels.attention._hopper import (
+    _add_product_in_parts,
+    _over_head_dim,
+    register_operand,
+    warpgroup_accumulator,
+)
 from reference.attention import ATTENTION_COUNTER_TAG
 
 __all__ = ["KEY_ROWS", "QUERY_ROWS", "_attn_bwd_hopper_kernel"]
@@ -270,17 +281,23 @@ def _band_kept(pt, keys, rows, Sk, lo_shift, hi_shift, HAS_LEFT: gl.constexpr, H
 
 @gluon.jit
 def _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF: gl.constexpr,
-                         BLOCK_D: gl.constexpr, ALL_COLUMNS: gl.constexpr):
+                         BLOCK_D: gl.constexpr, ALL_COLUMNS: gl.constexpr, D_SPLIT: gl.constexpr = False):
     """dQ of one query block, ``dS K * scale`` over all 128 keys: this consumer's half of its columns, or all of them
-    (``ALL_COLUMNS``), added into the fp32 accumulator by TMA bulk reductions from shared memory, 32 columns each."""
-    COLUMNS: gl.constexpr = BLOCK_D if ALL_COLUMNS else BLOCK_D // 2
+    (``ALL_COLUMNS``), added into the fp32 accumulator by TMA bulk reductions from shared memory, 32 columns each.
+    ``D_SPLIT`` (head dims 65-96 in a 128-column tile): the first consumer columns 0-63, the second 64-95."""
+    if D_SPLIT:
+        COLUMNS: gl.constexpr = 64 - 32 * HALF
+        FIRST_TILE: gl.constexpr = 2 * HALF
+    else:
+        COLUMNS: gl.constexpr = BLOCK_D if ALL_COLUMNS else BLOCK_D // 2
+        FIRST_TILE: gl.constexpr = HALF * (COLUMNS // DQ_TILE_COLS)
     PARTS: gl.constexpr = COLUMNS // DQ_TILE_COLS
     gl.static_assert(PARTS <= 2, "dQ parts of one consumer: at most 64 columns")
     ds_lo = ds_buffer.slice(0, HALF_N, dim=0).permute((1, 0))
     ds_hi = ds_buffer.slice(HALF_N, HALF_N, dim=0).permute((1, 0))
     k_lo = k_smem.index(0).reshape([HALF_N, BLOCK_D])
     k_hi = k_smem.index(1).reshape([HALF_N, BLOCK_D])
-    col0: gl.constexpr = 0 if ALL_COLUMNS else HALF * COLUMNS
+    col0: gl.constexpr = 0 if ALL_COLUMNS else HALF * (64 if D_SPLIT else COLUMNS)
     # the previous step's reductions must have read this consumer's tiles before they are overwritten
     tma.store_wait(0)
     gl.thread_barrier()
@@ -293,13 +310,13 @@ def _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, H
     if PARTS == 2:
         # 32-column parts are separate registers of the accumulator layout: the split moves no data
         first, second = gl.split(gl.permute(gl.reshape(dq, [BLOCK_M, 2, DQ_TILE_COLS]), (0, 2, 1)))
-        dq_smem.index(HALF * PARTS).reshape([BLOCK_M, DQ_TILE_COLS]).store(first)
-        dq_smem.index(HALF * PARTS + 1).reshape([BLOCK_M, DQ_TILE_COLS]).store(second)
+        dq_smem.index(FIRST_TILE).reshape([BLOCK_M, DQ_TILE_COLS]).store(first)
+        dq_smem.index(FIRST_TILE + 1).reshape([BLOCK_M, DQ_TILE_COLS]).store(second)
     else:
-        dq_smem.index(HALF * PARTS).reshape([BLOCK_M, DQ_TILE_COLS]).store(dq)
+        dq_smem.index(FIRST_TILE).reshape([BLOCK_M, DQ_TILE_COLS]).store(dq)
     fence_async_shared()
     for j in gl.static_range(PARTS):
-        _tma_reduce_add(dq_desc, [b, h, m0, col0 + j * DQ_TILE_COLS], dq_smem.index(HALF * PARTS + j))
+        _tma_reduce_add(dq_desc, [b, h, m0, col0 + j * DQ_TILE_COLS], dq_smem.index(FIRST_TILE + j))
 
 
 @gluon.jit
@@ -307,7 +324,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
               do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP,
               Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep, HALF: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr):
+              STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr, D_SPLIT: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     # (keys, queries) tiles: S^T, dP^T, P^T, dS^T
     t_layout: gl.constexpr = warpgroup_accumulator(BLOCK_M)
@@ -323,8 +340,19 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
     keep_fraction = 1.0 / inv_keep
     log2_inv_keep = gl.log2(inv_keep)
 
-    dk = gl.zeros([HALF_N, BLOCK_D], gl.float32, layout=acc_layout)
-    dv = gl.zeros([HALF_N, BLOCK_D], gl.float32, layout=acc_layout)
+    if D_SPLIT:
+        # dK and dV of head dims 65-96 as 64 + 32 columns: 96 registers per thread instead of 128
+        lo_layout: gl.constexpr = warpgroup_accumulator(64)
+        hi_layout: gl.constexpr = warpgroup_accumulator(32)
+        dk_lo = gl.zeros([HALF_N, 64], gl.float32, layout=lo_layout)
+        dk_hi = gl.zeros([HALF_N, 32], gl.float32, layout=hi_layout)
+        dv_lo = gl.zeros([HALF_N, 64], gl.float32, layout=lo_layout)
+        dv_hi = gl.zeros([HALF_N, 32], gl.float32, layout=hi_layout)
+    else:
+        dk = gl.zeros([HALF_N, BLOCK_D], gl.float32, layout=acc_layout)
+        dv = gl.zeros([HALF_N, BLOCK_D], gl.float32, layout=acc_layout)
+    # wgmma groups that dV's products add while dP^T is waited for
+    DV_GROUPS: gl.constexpr = 2 if D_SPLIT else 1
     t_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=t_layout)
     query_blocks = gl.cdiv(end_m - start_m, BLOCK_M)
     mbarrier.wait(kv_ready.index(0), 0)
@@ -336,7 +364,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
         # Order chosen for registers: dK and dV hold 128 per thread at head dim 128, so S^T and dP^T (32 each) and
         # the per-query vectors (16 each) are not all live at once.
         mbarrier.wait(q_ready.index(slot), phase)
-        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        st = _over_head_dim(k_tile, q_tile, t_zero, D_SPLIT)
         mbarrier.wait(stats_ready.index(slot), phase)
         lse2 = lse_smem.index(slot).load(query_layout)
         if DROPOUT:
@@ -357,10 +385,13 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
         else:
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         mbarrier.wait(do_ready.index(slot), phase)
-        dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dpt = _over_head_dim(v_tile, do_tile, t_zero, D_SPLIT)
+        if D_SPLIT:
+            pt_lo, pt_hi, dv_lo, dv_hi = _add_product_in_parts(pt_op, do_tile, dv_lo, dv_hi, lo_layout, hi_layout)
+        else:
+            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         delta = delta_smem.index(slot).load(query_layout)
-        dpt = warpgroup_mma_wait(1, deps=(dpt,))
+        dpt = warpgroup_mma_wait(DV_GROUPS, deps=(dpt,))
         if DROPOUT:
             # dS^T = P^T (Z dP^T / (1 - p) - delta): where kept, pt (dP^T - delta (1 - p)); where dropped,
             # pt delta (1 - p)
@@ -369,14 +400,21 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
         else:
             dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         ds_op = gl.convert_layout(dst, op_layout)
-        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        if D_SPLIT:
+            ds_lo, ds_hi, dk_lo, dk_hi = _add_product_in_parts(ds_op, q_tile, dk_lo, dk_hi, lo_layout, hi_layout)
+        else:
+            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
         if WRITE_DQ:
             # dS^T of both consumers in one double-buffered tile; the barrier says both halves are in
             ds_buffer = ds_smem.index(i % 2)
             ds_buffer.slice(HALF * HALF_N, HALF_N, dim=0).store(dst)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(i % 2), count=1)
-        dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
+        if D_SPLIT:
+            dv_lo, dv_hi, dk_lo, dk_hi, pt_lo, pt_hi, ds_lo, ds_hi = warpgroup_mma_wait(
+                0, deps=(dv_lo, dv_hi, dk_lo, dk_hi, pt_lo, pt_hi, ds_lo, ds_hi))
+        else:
+            dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
         mbarrier.arrive(empty.index(slot), count=1)
         if WRITE_DQ:
             if DQ_TURNS:
@@ -387,15 +425,24 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
                     _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, True)
             else:
                 mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
-                _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, False)
+                _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, False,
+                                     D_SPLIT)
 
     # Their shared memory stages dK and dV for the TMA stores (which clip rows past Sk). This consumer's V half is
     # read by no one else now; its K half is, by the other consumer's last dQ products: both say they are done
     # first (without that wait, a consumer that finished early overwrote K under the other's dQ).
     mbarrier.arrive(keys_done.index(0), count=1)
-    v_tile.store(dv.to(dtype))
+    if D_SPLIT:
+        v_tile.slice(0, 64, dim=1).store(dv_lo.to(dtype))
+        v_tile.slice(64, 32, dim=1).store(dv_hi.to(dtype))
+    else:
+        v_tile.store(dv.to(dtype))
     mbarrier.wait(keys_done.index(0), 0)
-    k_tile.store((dk * scale).to(dtype))
+    if D_SPLIT:
+        k_tile.slice(0, 64, dim=1).store((dk_lo * scale).to(dtype))
+        k_tile.slice(64, 32, dim=1).store((dk_hi * scale).to(dtype))
+    else:
+        k_tile.store((dk * scale).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + HALF * HALF_N, 0], k_smem.index(HALF))
     tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + HALF * HALF_N, 0], v_smem.index(HALF))
@@ -407,11 +454,11 @@ def _consumer_worker(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_sme
                      q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc,
                      b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep,
                      HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
-                     STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr):
+                     STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr, D_SPLIT: gl.constexpr):
     _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready, q_ready,
               do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP,
               Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep, 1, HAS_LEFT, HAS_RIGHT,
-              DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ)
+              DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ, D_SPLIT)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "seed_lo", "seed_hi", "seed_in_memory", "threshold"])
@@ -424,6 +471,7 @@ def _attn_bwd_hopper_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TURNS: gl.constexpr,
     WRITE_DQ: gl.constexpr = True,
+    D_SPLIT: gl.constexpr = False,  # head dims 65-96 in 128-column tiles: products over 64 + 32 columns
 ):
     # with dropout the producer is a warpgroup: it draws the keep masks too
     PRODUCER_WARPS: gl.constexpr = 4 if DROPOUT else 1
@@ -492,12 +540,12 @@ def _attn_bwd_hopper_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready,
                      q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc,
                      b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep,
-                     FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ)),
+                     FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ, D_SPLIT)),
         (_consumer_worker, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem,
                             kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc,
                             dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo,
                             full_hi, end_m, inv_keep, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS,
-                            WRITE_DQ)),
+                            WRITE_DQ, D_SPLIT)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, mask_smem,
                      kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, lse_ptr, delta_ptr, stride_lb,
                      stride_lh, b, hk, GROUP, Sq, n0, start_m, end_m, b_heads, key0, key1, threshold, STAGES,

@@ -153,6 +153,8 @@ class HopperForwardTile(NamedTuple):
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
     persistent: bool = True  # calls without a left band edge: one program per SM walking the tiles (else one per tile)
     o_in_q: bool = False  # O is staged for its TMA store in the consumer's Q tile (else in a tile of its own)
+    # head dims 65-96 (a 128-column tile): Q K^T and P V over their 96 columns as 64 + 32
+    split_96: bool = False
 
     @property
     def query_rows(self) -> int:
@@ -167,7 +169,9 @@ HOPPER_FORWARD: dict[int, HopperForwardTile] = {
     # S 3000-16384 (H100, bf16, interleaved rounds): a third warpgroup's matmuls run under the others' softmax.
     # Not persistent: the tile loop's state would spill these 160-register consumers.
     64: HopperForwardTile(128, 2, 3, 160, 24, 128, persistent=False),
-    128: HopperForwardTile(128, 2, 2, 240, 24, 168),
+    # head dims 65-96 over 64 + 32 columns (split_96): 1.03-1.09x the whole 128-column tile at D 96 (H100, bf16,
+    # S 1024-4096, causal and not)
+    128: HopperForwardTile(128, 2, 2, 240, 24, 168, split_96=True),
     # D 256: 64-key blocks with O staged in the Q tile, so that Q (64 KiB) and a two-slot K/V ring (128 KiB) fit in
     # shared memory (a tile of O's own would need 262 KB); the 64 x 256 O accumulator takes 128 registers. 1.18-1.29x
     # 32-key blocks with an O tile of its own (H100, bf16, S 1024-8192): a 32-key Q K^T reads as many shared-memory
@@ -189,6 +193,9 @@ class HopperBackwardTile(NamedTuple):
     # both consumers take the same 64 keys and split the head dim (``_hopper_bwd_split.py``), where one consumer's
     # dK and dV rows of 64 keys would not fit in its registers; else each takes 64 keys (``_hopper_bwd.py``)
     split_head_dim: bool = False
+    # head dims 65-96 (a 128-column tile): every product over their 96 columns as 64 + 32 (a quarter less tensor
+    # work, and dK and dV in 96 registers per thread instead of 128)
+    split_96: bool = False
 
 
 #: Hopper backward tiles by padded head dim: dK and dV (64 x D fp32 per warpgroup), S^T and dP^T (64 x 64) and
@@ -197,8 +204,11 @@ class HopperBackwardTile(NamedTuple):
 #: against 40, which leaves the consumers 232) and 40 at D 128 (1.09-1.12x against 56: the consumer spills less).
 HOPPER_BACKWARD: dict[int, HopperBackwardTile] = {
     64: HopperBackwardTile(2, 240, 24, 168, True, dropout_consumer_regs=224, dropout_producer_regs=56),
-    # at D 128 a whole dQ tile would not fit: 64 more fp32 registers per thread, 32 KiB more shared memory
-    128: HopperBackwardTile(2, 240, 24, 168, False, dropout_consumer_regs=232, dropout_producer_regs=40),
+    # at D 128 a whole dQ tile would not fit: 64 more fp32 registers per thread, 32 KiB more shared memory. Head
+    # dims 65-96 over 64 + 32 columns (split_96): forward + backward 1.10-1.15x the whole 128-column tile at D 96
+    # (H100, bf16, S 1024-4096, causal and not)
+    128: HopperBackwardTile(2, 240, 24, 168, False, dropout_consumer_regs=232, dropout_producer_regs=40,
+                            split_96=True),
     # at D 256 dK and dV of 64 keys are 256 fp32 registers per thread: each consumer keeps 128 columns of them
     256: HopperBackwardTile(2, 240, 24, 168, False, dropout_consumer_regs=None, dropout_producer_regs=None,
                             split_head_dim=True),
@@ -480,13 +490,15 @@ _HOPPER_TABLE_STATES: dict[tuple, int] = {}
 
 def _hopper_tables_changed() -> None:
     global hopper_tables_version
-    state = (HOPPER_BACKWARD_DQ, tuple(HOPPER_FORWARD.items()), tuple(HOPPER_DQ.items()))
+    state = (HOPPER_BACKWARD_DQ, tuple(HOPPER_FORWARD.items()), tuple(HOPPER_DQ.items()),
+             tuple(HOPPER_BACKWARD.items()))
     hopper_tables_version = _HOPPER_TABLE_STATES.setdefault(state, len(_HOPPER_TABLE_STATES))
 
 
 #: A number for the present contents of the Hopper tables (:data:`HOPPER_FORWARD`, :data:`HOPPER_DQ`,
-#: :data:`HOPPER_BACKWARD_DQ`), part of an eager call's replay signature: a launch recorded under other tiles is
-#: not replayed under these. Changed by :func:`hopper_dq_kernel` and :func:`hopper_tiles`, the ways to change them.
+#: :data:`HOPPER_BACKWARD`, :data:`HOPPER_BACKWARD_DQ`), part of an eager call's replay signature: a launch
+#: recorded under other tiles is not replayed under these. Changed by :func:`hopper_dq_kernel` and
+#: :func:`hopper_tiles`, the ways to change them.
 hopper_tables_version = 0
 _hopper_tables_changed()
 
@@ -508,17 +520,20 @@ def hopper_dq_kernel(dims=tuple(HOPPER_DQ)) -> Iterator[None]:
 
 @contextlib.contextmanager
 def hopper_tiles(forward: dict[int, HopperForwardTile] | None = None,
-                 dq: dict[int, HopperForwardTile] | None = None) -> Iterator[None]:
-    """Inside the block, the Hopper forward and dQ kernels take these tiles at these padded head dims (entries of
-    :data:`HOPPER_FORWARD` and :data:`HOPPER_DQ`): for tools that time a tile against the table's."""
-    saved = dict(HOPPER_FORWARD), dict(HOPPER_DQ)
+                 dq: dict[int, HopperForwardTile] | None = None,
+                 backward: dict[int, HopperBackwardTile] | None = None) -> Iterator[None]:
+    """Inside the block, the Hopper forward, dQ and backward kernels take these tiles at these padded head dims
+    (entries of :data:`HOPPER_FORWARD`, :data:`HOPPER_DQ` and :data:`HOPPER_BACKWARD`): for tools that time a tile
+    against the table's."""
+    saved = dict(HOPPER_FORWARD), dict(HOPPER_DQ), dict(HOPPER_BACKWARD)
     HOPPER_FORWARD.update(forward or {})
     HOPPER_DQ.update(dq or {})
+    HOPPER_BACKWARD.update(backward or {})
     _hopper_tables_changed()
     try:
         yield
     finally:
-        for table, before in zip((HOPPER_FORWARD, HOPPER_DQ), saved, strict=True):
+        for table, before in zip((HOPPER_FORWARD, HOPPER_DQ, HOPPER_BACKWARD), saved, strict=True):
             table.clear()
             table.update(before)
         _hopper_tables_changed()

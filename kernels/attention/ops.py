@@ -179,6 +179,12 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...]) -> TmaTensor:
     return TmaTensor(t, block, _shared_layout(block, t.dtype))
 
 
+def _splits_96(tile, block_d: int, d: int) -> bool:
+    """Whether a Hopper kernel runs its products over 64 + 32 columns: head dims 65-96 in a 128-column tile whose
+    ``split_96`` is set (the rest of the tile is TMA's zero padding)."""
+    return bool(tile.split_96 and block_d == 128 and d <= 96)
+
+
 def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
@@ -198,8 +204,8 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
         _descriptor(q, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block), _descriptor(o, q_block),
         lse, lse.stride(0), lse.stride(1), b, hq, hq // hkv, sq, sk, scale * 1.4426950408889634, *band, **band_flags,
         BLOCK_N=t.block_n, BLOCK_D=bd, STAGES=t.stages, CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs,
-        PRODUCER_REGS=t.producer_regs, PERSISTENT=persistent, PAIRED=paired, O_IN_Q=t.o_in_q, num_warps=4,
-        maxnreg=t.maxnreg,
+        PRODUCER_REGS=t.producer_regs, PERSISTENT=persistent, PAIRED=paired, O_IN_Q=t.o_in_q,
+        D_SPLIT=_splits_96(t, bd, d), num_warps=4, maxnreg=t.maxnreg,
     )
 
 
@@ -269,7 +275,8 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right
         dk_desc, _descriptor(dv, block), dk_desc if dq_kernel else _descriptor(dq_out, dq_block),
         lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
         **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
-        DQ_TURNS=t.dq_turns, WRITE_DQ=not dq_kernel, num_warps=4, maxnreg=t.maxnreg,
+        DQ_TURNS=t.dq_turns, WRITE_DQ=not dq_kernel, D_SPLIT=_splits_96(t, bd, d), num_warps=4,
+        maxnreg=t.maxnreg,
     )
     if dq_kernel:
         _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq_out, scale, band, band_flags)
