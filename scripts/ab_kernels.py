@@ -3,7 +3,7 @@
 ``_kernels.py`` and against forced launch tiles, through the public call, in one process.
 
     python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
-        [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward]
+        [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward | --backward-only]
         [--dropout P [--no-check]] [--hopper-dq DIMS] [--hopper-tile KERNEL:D:BLOCK_N,STAGES[,FIELD=N] ...]
         [--group G] [--shape B,HQ,HKV,SQ,SK ...] [--path P ...]
     python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
@@ -21,8 +21,10 @@ block and ring depth at padded head dim D, and other fields of its tile by name 
 Variants alternate within each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is
 10-17%, a side by side difference is not). Each variant's outputs must match the first's (``--no-check`` skips
 that, for a baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
-Prints TFLOP/s (attention, B * S = 16k tokens, H * D = 2048, ``--group`` query heads per K/V head, causal and not)
-or GB/s (layernorm and RMSNorm, M * N = 2^27, bf16) and the ratio to the first variant.
+Prints TFLOP/s (attention, B * S = 16k tokens, H * D = 2048, ``--group`` query heads per K/V head, causal and not;
+``--backward`` times forward + backward, 3.5x the forward's FLOPs, ``--backward-only`` the backward of one forward
+recorded before the variants, 2.5x) or GB/s (layernorm and RMSNorm, M * N = 2^27, bf16) and the ratio to the first
+variant.
 """
 
 from __future__ import annotations
@@ -138,7 +140,13 @@ def _attention(args, variants) -> None:
                 if causal:  # half when Sq = Sk, as the benchmark tables count; else the bottom-right band's pairs
                     pairs = pairs / 2 if sq == sk else sq * sk - (sq * (sq - 1) // 2 if sq < sk else sk * (sk + 1) // 2)
                 flops = 4 * b * h * pairs * d
-                if args.backward:
+                if args.backward_only:
+                    # one recorded forward; each variant's backward dispatch is made when the backward runs
+                    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+                    out = flash_attention(qg, kg, vg, causal=causal, **drop)
+                    run = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+                    flops *= 2.5
+                elif args.backward:
                     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
                     run = lambda: torch.autograd.grad(flash_attention(qg, kg, vg, causal=causal, **drop), (qg, kg, vg),
                                                       do)
@@ -188,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--backward", action="store_true", help="attention: time forward + backward")
+    parser.add_argument("--backward-only", action="store_true",
+                        help="attention: time the backward alone (of one forward recorded before the variants)")
     parser.add_argument("--dropout", type=float, default=0.0, help="attention: dropout_p (seed fixed)")
     parser.add_argument("--no-check", action="store_true", help="do not compare outputs with the first variant's")
     parser.add_argument("--tile", action="append", default=[], metavar="KERNEL:BM,BN,WARPS,STAGES",
