@@ -350,6 +350,65 @@ def test_kernel_accepts_bshd_views_and_custom_scale():
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_outputs_and_gradients_keep_the_layout_of_bshd_views(dtype):
+    """O of (B, S, H, D) views of q, k, v is laid out (B, S, H, D), as SDPA lays its output out, so that a caller's
+    ``o.transpose(1, 2).reshape(B, S, H * D)`` is a view, not a copy; dQ, dK and dV come in q's, k's and v's layout
+    (autograd then keeps them as the leaves' gradients without a copy). dO in O's layout is read in place. The
+    values are the contiguous call's."""
+    g = torch.Generator().manual_seed(5)
+    b, s, hq, hkv, d = 2, 37, 4, 2, 16
+    q = torch.randn(b, s, hq, d, generator=g).to(DEVICE, dtype).transpose(1, 2)
+    k, v = (torch.randn(b, s, hkv, d, generator=g).to(DEVICE, dtype).transpose(1, 2) for _ in range(2))
+    do = torch.randn(b, s, hq, d, generator=g).to(DEVICE, dtype).transpose(1, 2)
+    got = _grads(lambda a, b_, c: flash_attention(a, b_, c, causal=True), q, k, v, do)
+    for name, t, like in zip(("o", "dq", "dk", "dv"), got, (q, q, k, v), strict=True):
+        assert t.stride() == like.stride(), (name, t.stride(), like.stride())
+    assert got[0].transpose(1, 2).is_contiguous()
+    dense = _grads(lambda a, b_, c: flash_attention(a, b_, c, causal=True), q.contiguous(), k.contiguous(),
+                   v.contiguous(), do.contiguous())
+    for name, t, e in zip(("o", "dq", "dk", "dv"), got, dense, strict=True):
+        torch.testing.assert_close(t, e, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_output_strides_follow_dense_inputs_and_else_are_contiguous():
+    """``_output_strides``: a dense permutation with the last dim contiguous keeps its strides (a dim of one
+    element takes its contiguous stride); a slice with gaps, an expanded dim or a strided last dim gives
+    contiguous strides."""
+    from kernels.attention.ops import _output_strides
+
+    cases = [
+        (torch.empty(2, 3, 5, 8), (120, 40, 8, 1)),
+        (torch.empty(2, 5, 3, 8).transpose(1, 2), (120, 8, 24, 1)),
+        (torch.empty(2, 3, 5, 10)[..., :8], (120, 40, 8, 1)),
+        (torch.empty(1, 5, 1, 8).transpose(1, 2), (40, 40, 8, 1)),
+        (torch.empty(2, 1, 5, 8).expand(2, 3, 5, 8), (120, 40, 8, 1)),
+        (torch.empty(2, 3, 8, 5).transpose(-1, -2), (120, 40, 8, 1)),
+        (torch.empty(7, 3, 8)[:, :2], (16, 8, 1)),
+        (torch.empty(3, 7, 8).transpose(0, 1), (8, 56, 1)),
+    ]
+    for t, expected in cases:
+        assert _output_strides(t) == expected, (t.shape, t.stride())
+        assert _output_strides(t) == expected, "a second ask, answered from the cache"
+
+
+def test_output_strides_of_symbolic_sizes_follow_the_same_rule():
+    """A traced call's sizes are symbols, which the cache cannot hash: the rule still gives its input's strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kernels.attention.ops import _output_strides
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    bshd = mode.from_tensor(torch.empty(2, 5, 3, 8).transpose(1, 2))
+    padded = mode.from_tensor(torch.empty(2, 3, 5, 10)[..., :8])
+    with mode:
+        _, h, s, d = bshd.shape
+        assert _output_strides(bshd) == (s * h * d, d, h * d, 1)
+        _, h, s, d = padded.shape
+        assert _output_strides(padded) == (h * s * d, s * d, d, 1)
+
+
 @pytest.mark.parametrize("d", by_mode(interpreter=[8, 33], cuda=[8, 33, 96, 160, 192, 512, 1000, 1024]))
 def test_kernel_head_dims_that_are_not_powers_of_two(d):
     q, k, v = (t.to(DEVICE) for t in _qkv(1, 2, 2, 19, 23, d, dtype=torch.float32))
@@ -671,6 +730,24 @@ def test_the_opaque_ops_of_compiled_hopper_calls_pass_opcheck():
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+def test_the_ops_fake_outputs_have_the_real_ones_layout_for_bshd_views():
+    """opcheck (fake tensors against real ones, strides included) with q, k, v as (B, S, H, D) views and dO in O's
+    layout: the opaque ops of compiled Hopper calls, and on a GPU the registered ops, give their outputs the
+    inputs' layout in both."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 50, h, 64, generator=g).to(DEVICE).transpose(1, 2) for h in (4, 2, 2))
+    gluon_fwd, gluon_bwd = torch.ops.fused_kernels.flash_attn_fwd_gluon, torch.ops.fused_kernels.flash_attn_bwd_gluon
+    torch.library.opcheck(gluon_fwd.default, (q, k, v, -1, 0, 0.125))
+    o, lse = gluon_fwd(q, k, v, -1, 0, 0.125)
+    assert o.stride() == q.stride()
+    do = torch.randn(1, 50, 4, 64, generator=g).to(DEVICE).transpose(1, 2)
+    torch.library.opcheck(gluon_bwd.default, (do, q, k, v, o, lse, -1, 0, 0.125, 0.0, 0, None))
+    if DEVICE == "cuda":  # the registered ops trace their kernels, which AOT dispatch cannot under the interpreter
+        fwd, bwd = torch.ops.fused_kernels.flash_attn_fwd, torch.ops.fused_kernels.flash_attn_bwd
+        torch.library.opcheck(fwd.default, (q, k, v, -1, 0, 0.125, 0.0, 0, None, None, None, 0, 0))
+        torch.library.opcheck(bwd.default, (do, q, k, v, o, lse, -1, 0, 0.125, 0.0, 0, None, None, None, 0, 0))
+
+
 def test_a_seed_on_the_device_keys_the_same_mask_as_the_int():
     """The ops' ``seed_tensor`` (how seed=None travels under torch.compile and CUDA graphs) is read by the
     kernels as the int64 whose bits the int seed gives: forward and backward match the int path bitwise."""
@@ -708,6 +785,27 @@ def test_torch_compile_fullgraph_matches_eager():
         compiled = torch.autograd.grad(torch.compile(block, fullgraph=True)(q, k, v), (q, k, v))
         for a, b in zip(eager, compiled, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)  # a different dropout mask would be O(1) off
+
+
+@pytest.mark.cuda
+def test_torch_compile_of_a_gpt_attention_block_keeps_the_layouts_and_matches_eager():
+    """q, k, v as the (B, S, 3, H, D) projection's strided views, O transposed back to (B, S, H * D), as
+    ``examples/gpt.py`` does, compiled (fullgraph) against eager: same output and gradients."""
+    g = torch.Generator().manual_seed(8)
+    b, s, h, d = 2, 300, 4, 64
+    qkv = torch.randn(b, s, 3 * h * d, generator=g).to(DEVICE, torch.bfloat16).requires_grad_(True)
+
+    def block(x):
+        q, k, v = x.view(b, s, 3, h, d).permute(2, 0, 3, 1, 4)
+        return flash_attention(q, k, v, causal=True).transpose(1, 2).reshape(b, s, h * d)
+
+    dy = torch.randn(b, s, h * d, generator=g).to(DEVICE, torch.bfloat16)
+    eager_y = block(qkv)
+    (eager_dx,) = torch.autograd.grad(eager_y, qkv, dy)
+    compiled_y = torch.compile(block, fullgraph=True)(qkv)
+    (compiled_dx,) = torch.autograd.grad(compiled_y, qkv, dy)
+    torch.testing.assert_close(compiled_y, eager_y, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_dx, eager_dx, rtol=1e-2, atol=1e-2)
 
 
 def test_every_query_finds_a_launch_row_and_every_row_is_reachable():

@@ -515,3 +515,51 @@ def test_head_dims_up_to_96_give_torchs_gradients_over_96_columns_or_the_whole_t
     reference = _grads(lambda a, b, c: twin.attention(a, b, c, **kw), q.double(), k.double(), v.double(), do.double())
     for name, g, p, r in zip(("o", "dq", "dk", "dv"), got, peer, reference, strict=True):
         assert_no_worse_than_torch(name, g, p, r, atol=ATOL[dtype])
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["reduced-dq", "deterministic"])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_hopper_outputs_and_gradients_keep_the_layout_of_bshd_views(d, deterministic):
+    """On the Hopper kernels (every head-dim tile; dQ by reductions or, where ``deterministic`` takes it, by its own
+    kernel) O of (B, S, H, D) views is stored (B, S, H, D) and dQ, dK, dV in q's, k's and v's layout, dO in O's
+    layout read in place; the values are the contiguous call's."""
+    q, k, v = _qkv(2, 4, 2, 300, 300, d, torch.bfloat16, "bshd")
+    do = torch.randn(2, 300, 4, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    do = do.transpose(1, 2)  # as the gradient of o.transpose(1, 2).reshape(B, S, H * D) arrives
+    kw = {"causal": True, "deterministic": deterministic}
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_forward(q, k, v)
+        hopper_backward = ops.uses_hopper_backward(q, k, v, do, deterministic=deterministic)
+        assert hopper_backward or deterministic  # deterministic calls take it only where dQ has a kernel of its own
+        got = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do)
+        dense = _grads(lambda a, b, c: flash_attention(a, b, c, **kw), *(t.contiguous() for t in (q, k, v, do)))
+    for name, t, like in zip(("o", "dq", "dk", "dv"), got, (q, q, k, v), strict=True):
+        assert t.stride() == like.stride(), (name, t.stride(), like.stride())
+    for name, g, e in zip(("o", "dq", "dk", "dv"), got, dense, strict=True):
+        if name == "dq" and not deterministic:  # summed in arrival order
+            torch.testing.assert_close(g, e, rtol=0, atol=ATOL[torch.bfloat16])
+        else:
+            assert torch.equal(g, e), name
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_inputs_whose_contiguous_outputs_tma_cannot_store_take_the_portable_kernels():
+    """Head dim 100 as views of a 104-wide buffer: q, k, v are TMA-readable (208-byte rows), but their outputs,
+    laid out contiguously (the views have gaps), have 200-byte rows that TMA cannot store; the calls take the
+    portable kernels even on the forced Hopper path, and give torch's gradients."""
+    buffers = _qkv(1, 4, 2, 200, 200, 104, torch.bfloat16)
+    q, k, v = (t[..., :100] for t in buffers)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    with configs.forced_path("hopper"):
+        assert not ops.uses_hopper_forward(q, k, v)
+        assert not ops.uses_hopper_backward(q, k, v, do)
+        got = _grads(lambda a, b, c: flash_attention(a, b, c, causal=True), q, k, v, do)
+    peer = _grads(lambda a, b, c: _low_precision_attention(a, b, c, True, (-1, -1), 0.0, 0), q, k, v, do)
+    reference = _grads(lambda a, b, c: twin.attention(a, b, c, causal=True), q.double(), k.double(), v.double(),
+                       do.double())
+    for name, g, p, r in zip(("o", "dq", "dk", "dv"), got, peer, reference, strict=True):
+        assert g.is_contiguous(), name
+        assert_no_worse_than_torch(name, g, p, r, atol=ATOL[torch.bfloat16])

@@ -139,9 +139,49 @@ def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict,
 def _tma_ready(t: torch.Tensor, traced: bool = False) -> bool:
     """Whether TMA can read ``t`` in place: contiguous last dim, 16-byte aligned base and other strides. ``traced``:
     ``t`` is a fake tensor of torch.compile, whose address is not known; the strides alone decide."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and (traced or t.data_ptr() % 16 == 0)
-            and all(stride * size % 16 == 0 for stride in t.stride()[:-1]))
+    return (traced or t.data_ptr() % 16 == 0) and _tma_strides(t.stride(), t.element_size())
+
+
+def _tma_strides(strides: tuple[int, ...], element_size: int) -> bool:
+    return strides[-1] == 1 and all(stride * element_size % 16 == 0 for stride in strides[:-1])
+
+
+def _output_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of an output (o, or a gradient) laid out as the input ``t``: ``t``'s own where they are a
+    permutation of a dense tensor's with the last dim contiguous, as ``(B, S, H, D)`` views of q, k and v are (SDPA
+    lays its outputs out the same way), else contiguous. A caller's ``o.transpose(1, 2).reshape(B, S, H * D)`` is
+    then a view, not a copy, and autograd need not copy a gradient into its input's layout."""
+    shape, strides = t.shape, t.stride()
+    try:
+        return _cached_dense_strides_or_contiguous(shape, strides)
+    except TypeError:  # the symbolic sizes of a traced call do not hash
+        return _dense_strides_or_contiguous(shape, strides)
+
+
+def _dense_strides_or_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    rank = len(shape)
+    contiguous = [1] * rank
+    for i in range(rank - 2, -1, -1):
+        contiguous[i] = contiguous[i + 1] * max(shape[i + 1], 1)
+    if 0 in shape or (shape[-1] != 1 and strides[-1] != 1):
+        return tuple(contiguous)
+    expected = 1
+    for i in sorted((i for i in range(rank) if shape[i] != 1), key=strides.__getitem__):
+        if strides[i] != expected:
+            return tuple(contiguous)
+        expected *= shape[i]
+    # a dim of one element is never stepped over: its stride is free, and TMA wants it aligned
+    return tuple(strides[i] if shape[i] != 1 else contiguous[i] for i in range(rank))
+
+
+# A call asks four times, and the loop over Python ints costs ~20 us a time on a GPU machine's host: more than the
+# replayed launches of a backward take.
+_cached_dense_strides_or_contiguous = functools.lru_cache(maxsize=256)(_dense_strides_or_contiguous)
+
+
+def _empty_output(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised output of ``t``'s shape in ``t``'s layout (``_output_strides``)."""
+    return torch.empty_strided(t.shape, _output_strides(t), dtype=dtype or t.dtype, device=t.device)
 
 
 def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -157,7 +197,8 @@ def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
     bd = configs.block_d(q.shape[-1])
     if bd not in configs.HOPPER_FORWARD or not configs.is_hopper(q.device):
         return False
-    if not (_tma_ready(q, traced) and _tma_ready(k, traced) and _tma_ready(v, traced)):
+    if not (_tma_ready(q, traced) and _tma_ready(k, traced) and _tma_ready(v, traced)
+            and _tma_strides(_output_strides(q), q.element_size())):
         return False
     if path == "hopper":
         return True
@@ -233,13 +274,14 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
         return False
     if not configs.is_hopper(q.device):
         return False
-    return all(_tma_ready(t, traced) for t in (q, k, v, do))
+    return (all(_tma_ready(t, traced) for t in (q, k, v, do))
+            and all(_tma_strides(_output_strides(t), t.element_size()) for t in (q, k)))
 
 
 def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right: int, scale: float,
                        drop: tuple = _NO_DROPOUT, dq_kernel: bool = False):
     """The Hopper backward: dK, dV written in place; dQ summed into ``dq_out`` ((B, Hq, Sq, padded D) fp32, zeroed by
-    the preprocess kernel), or with ``dq_kernel`` written into ``dq_out`` (q's shape and dtype, contiguous) by a
+    the preprocess kernel), or with ``dq_kernel`` written into ``dq_out`` (q's shape, dtype and layout) by a
     kernel of its own; ``drop`` as ``_dropout_args`` gives it."""
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
@@ -283,8 +325,8 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right
 
 
 def _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq, scale: float, band: tuple, band_flags: dict):
-    """dQ by the Hopper kernel of its own (``_hopper_bwd_dq.py``), written into ``dq`` (q's shape and dtype,
-    contiguous)."""
+    """dQ by the Hopper kernel of its own (``_hopper_bwd_dq.py``), written into ``dq`` (q's shape, dtype and
+    layout)."""
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
     t = configs.HOPPER_DQ[bd]
@@ -385,7 +427,7 @@ def _seed_tensor(seed: Seed) -> torch.Tensor | None:
 
 def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0, varlen=None, *,
               traceable=False):
-    """``(o, lse)``: o laid out as q (contiguous); lse (B, Hq, Sq), or (Hq, total_q) when packed.
+    """``(o, lse)``: o laid out as q (``_output_strides``); lse (B, Hq, Sq), or (Hq, total_q) when packed.
 
     An eager dense call replays the launches recorded by the first call with the same signature
     (``kernels._common.launch.Recording``): a few us of host time instead of building ~40 arguments anew."""
@@ -395,7 +437,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
     if traceable and uses_hopper_forward(q, k, v, dropout_p, varlen, traced=True):
         return torch.ops.fused_kernels.flash_attn_fwd_gluon(q, k, v, left, right, scale)
     b, hq = _dims(q, k, varlen)[:2]
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    o = _empty_output(q)
     stats_shape = (b, hq, q.shape[2]) if varlen is None else (hq, q.shape[0])
     lse = torch.empty(stats_shape, device=q.device, dtype=torch.float32)
     if nothing_to_launch(q) or k.numel() == 0 or b == 0:
@@ -420,7 +462,8 @@ def _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, 
 
 def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0,
               varlen=None, *, traceable=False, deterministic=False):
-    """``(dq, dk, dv)``, laid out as q, k, v (contiguous). Eager dense calls replay recorded launches (as
+    """``(dq, dk, dv)``, laid out as q and k (``_output_strides``; dv as dk, whose strides the portable kernel shares
+    with it). Eager dense calls replay recorded launches (as
     ``_fwd_impl``)."""
     b, _, _, _, _, d = _dims(q, k, varlen)
     too_wide_for_fp32 = q.dtype == torch.float32 and configs.block_d(d) > configs.FP32_MAX_KERNEL_BWD_DIM
@@ -431,13 +474,13 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     if traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic, traced=True):
         return torch.ops.fused_kernels.flash_attn_bwd_gluon(do, q, k, v, o, lse, left, right, scale, dropout_p,
                                                             *op_seed_args(seed), deterministic)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dk = _empty_output(k)
+    dv = torch.empty_like(dk)
     delta = torch.empty_like(lse)
     if not traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic):
         dq_kernel = configs.takes_hopper_dq_kernel(configs.block_d(d), dropout_p > 0, deterministic)
         # dQ itself when a kernel of its own writes it, else the fp32 accumulator the reductions add into
-        dq_out = (torch.empty_like(q, memory_format=torch.contiguous_format) if dq_kernel else
+        dq_out = (_empty_output(q) if dq_kernel else
                   torch.empty((b, q.shape[1], q.shape[2], configs.block_d(d)), device=q.device, dtype=torch.float32))
         # replayed like the portable launches: the TMA arguments are made again over the call's own tensors
         signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
@@ -446,9 +489,11 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
                          lambda: _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right, scale,
                                                       dropout_p, seed, dq_kernel),
                          _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
-        # a slice of the padded accumulator is not dense: the cast lays dQ out contiguously
-        return (dq_out if dq_kernel else dq_out[..., :d].to(q.dtype)), dk, dv
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if dq_kernel:
+            return dq_out, dk, dv
+        # the cast out of the padded accumulator writes dQ in q's layout
+        return _empty_output(q).copy_(dq_out[..., :d]), dk, dv
+    dq = _empty_output(q)
     signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
                                  o.stride(), deterministic)
     launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq, dk, dv, _seed_tensor(seed)),
@@ -565,8 +610,7 @@ def flash_attn_fwd_gluon_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
 
 @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::flash_attn_fwd_gluon", lib=_GLUON_OPS)
 def _(q, k, v, window_left, window_right, scale):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(q.shape[:3], dtype=torch.float32))
+    return _empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def flash_attn_bwd_gluon_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -581,7 +625,8 @@ def flash_attn_bwd_gluon_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 
 @torch.library.register_fake(f"{LIBRARY_NAMESPACE}::flash_attn_bwd_gluon", lib=_GLUON_OPS)
 def _(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, seed_tensor, deterministic=False):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dk = _empty_output(k)
+    return _empty_output(q), dk, torch.empty_like(dk)
 
 
 # every device: the eager dispatch inside picks the kernel (or the twin on a CPU without the interpreter)
@@ -600,7 +645,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, seed_tensor = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fused_kernels.flash_attn_bwd(do.contiguous(), q, k, v, o, lse, *ctx.args, seed_tensor,
+    # dO of an output a caller transposed back arrives in o's layout: read in place, as the eager backward does
+    do = do if do.stride() == o.stride() else do.contiguous()
+    dq, dk, dv = torch.ops.fused_kernels.flash_attn_bwd(do, q, k, v, o, lse, *ctx.args, seed_tensor,
                                                         *ctx.varlen_args, ctx.deterministic)
     return dq, dk, dv, *([None] * 11)
 
@@ -684,6 +731,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     """FlashAttention-2: ``softmax(q kᵀ · scale) v`` without materialising the scores.
 
     q ``(B, Hq, Sq, D)``, k/v ``(B, Hkv, Sk, D)`` with ``Hq % Hkv == 0`` (GQA/MQA), any strides, fp16/bf16/fp32.
+    The output, and the gradients of q, k, v, take their input's layout where it is a permutation of a dense tensor
+    (``(B, S, H, D)`` views stay ``(B, S, H, D)`` in memory, as SDPA's output does), else a contiguous one.
     Queries align bottom-right: query i sits at key position ``i + Sk - Sq``. ``causal`` keeps keys up to
     that position; ``window_size = (left, right)`` keeps keys from ``left`` before it to ``right`` after it
     (-1: unbounded; with ``causal`` the right side is 0), as in FlashAttention-2. Key blocks outside the
