@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import math
 import pathlib
@@ -184,10 +185,16 @@ def _residual_step(branch: torch.Tensor, residual: torch.Tensor | None, norm: nn
 
 def load_corpus(device) -> torch.Tensor:
     """This repository's Markdown and Python files as one byte tensor (sorted, so every run reads the same)."""
+    return torch.frombuffer(bytearray(_corpus_bytes()), dtype=torch.uint8).to(device=device, dtype=torch.long)
+
+
+@functools.cache
+def _corpus_bytes() -> bytes:
+    # read once per process: runs compared side by side (the two backends of a test or a benchmark) then train on
+    # the same data even when a file of the repository is edited between them
     paths = sorted(p for pattern in ("*.md", "*.py") for p in ROOT.glob(f"**/{pattern}")
                    if not any(part.startswith(".") or part == "results" for part in p.relative_to(ROOT).parts))
-    data = b"\n".join(p.read_bytes() for p in paths)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device=device, dtype=torch.long)
+    return b"\n".join(p.read_bytes() for p in paths)
 
 
 def batches(corpus: torch.Tensor, batch: int, seq_len: int, steps: int, seed: int = 0):
