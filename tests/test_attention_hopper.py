@@ -309,16 +309,17 @@ def test_deterministic_calls_repeat_bitwise_on_the_portable_or_the_reduction_fre
 @pytest.mark.cuda
 @needs_hopper
 def test_auto_path_takes_the_hopper_backward_on_long_sequences_or_with_dropout():
-    short = _qkv(2, 16, 16, 1024, 1024, 64, torch.bfloat16)
-    long_keys = _qkv(1, 2, 2, 1024, 4096, 64, torch.bfloat16)
-    long = _qkv(1, 2, 2, 2048, 2048, 64, torch.bfloat16)
-    wide_short = _qkv(1, 2, 2, 512, 512, 128, torch.bfloat16)
-    wide = _qkv(1, 2, 2, 1024, 1024, 128, torch.bfloat16)
+    short = _qkv(2, 16, 16, 512, 512, 64, torch.bfloat16)
+    long_keys = _qkv(1, 2, 2, 512, 4096, 64, torch.bfloat16)
+    long = _qkv(1, 2, 2, 1024, 1024, 64, torch.bfloat16)
+    wide_short = _qkv(1, 2, 2, 256, 256, 128, torch.bfloat16)
+    wide = _qkv(1, 2, 2, 256, 512, 128, torch.bfloat16)
     with configs.forced_path("auto"):
         assert not ops.uses_hopper_backward(*short, short[0])
-        assert ops.uses_hopper_backward(*short, short[0], dropout_p=0.1)
-        assert ops.uses_hopper_backward(*long_keys, long_keys[0])  # Sq 1024 of at least 512, Sk 4096
+        assert not ops.uses_hopper_backward(*short, short[0], dropout_p=0.1)
+        assert ops.uses_hopper_backward(*long_keys, long_keys[0])  # Sq 512 of at least 512, Sk 4096
         assert ops.uses_hopper_backward(*long, long[0])
+        assert ops.uses_hopper_backward(*long, long[0], dropout_p=0.1)
         assert not ops.uses_hopper_backward(*long, long[0], deterministic=True)
         assert not ops.uses_hopper_backward(*wide_short, wide_short[0])
         assert ops.uses_hopper_backward(*wide, wide[0])
@@ -341,7 +342,7 @@ def test_a_hopper_tile_swapped_for_a_block_is_part_of_the_replay_signature(monke
     assert signature() == table and configs.HOPPER_FORWARD[256] == forward
 
 def test_auto_takes_the_hopper_backward_from_its_head_dims_lengths():
-    for block_d, least_keys, least_queries, least_with_dropout in ((64, 2048, 512, 1024), (128, 1024, 256, 512)):
+    for block_d, least_keys, least_queries, least_with_dropout in ((64, 1024, 512, 1024), (128, 512, 256, 512)):
         # without dropout: long enough keys, and queries from a shorter minimum
         assert configs.prefers_hopper_backward(block_d, least_queries, least_keys)
         assert not configs.prefers_hopper_backward(block_d, least_queries - 1, 8192)

@@ -54,8 +54,9 @@ and the base 16-byte aligned), padded head dims 64 and 128 (256 has ``_hopper_bw
 (under torch.compile it runs inside an opaque op, ``fused_kernels::flash_attn_bwd_gluon``).
 ``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
 
-Speed: on an H100 (bf16, public calls) without dropout 1.12-1.22x the portable backward at D 128 from S 1024 on and
-1.09-1.16x at D 64 from S 2048 on; on the benchmark table 0.93-0.99x cuDNN at D 128 and 0.96-1.11x at D 64. With
+Speed: on an H100 (bf16 and fp16, public calls) without dropout 1.14-1.22x the portable backward at D 128 from Sk 512
+on (1.05x causal at S 512) and 1.02-1.15x at D 64 from S 1024 on (0.99-1.03x causal at S 1024); on the benchmark
+table 0.94-1.006x cuDNN at D 128 and 0.98-1.05x at D 64. With
 dropout 0.1 1.08-1.51x the portable backward (D 128 from S 512, D 64 from S 1024; taken before the producer drew the
 masks) and 1.00-1.13x cuDNN at S 4096. The default path takes it from those lengths on
 (``configs.prefers_hopper_backward``). Each consumer waits on every wgmma it issues, so nothing overlaps the softmax
