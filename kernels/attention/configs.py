@@ -291,12 +291,12 @@ def prefers_hopper_backward(block_d: int, sq: int, sk: int, dropout: bool = Fals
     tokens, public calls, the backward of one recorded forward, 7 interleaved rounds), Hopper / portable backward:
 
     - D 128 without dropout: 1.15-1.22x at S 1024-2048; 1.14-1.17x at S 512, 1.05x causal; Sq 256 / Sk 512
-      1.15-1.17x, causal too; but 0.96-0.97x at S 256; with short queries and long keys (H 32): Sq 512
+      1.15-1.17x, causal too; but 0.96-0.97x at S 256; with short queries and long keys (kernel calls, H 32): Sq 512
       1.20-1.24x at Sk 2048-8192, Sq 256 1.53x at Sk 8192;
     - D 64 without dropout: 1.11-1.15x at S 2048; at S 1024 1.02-1.06x full and 0.99-1.03x causal (H 32),
       1.04-1.10x with 8 K/V heads; Sq 512 / Sk 1024 1.00x full, 1.04x causal; but 0.90-1.01x at S 512 (0.90-0.94x
       causal), where the call is short enough that the extra passes (the dQ accumulator's zeroing and cast) weigh;
-      with long keys (H 32): Sq 512 / Sk 8192 1.25x, Sq 1024 / Sk 4096 1.09x;
+      with long keys (kernel calls, H 32): Sq 512 / Sk 8192 1.25x, Sq 1024 / Sk 4096 1.09x;
     - with dropout (each keep mask drawn once, where the portable backward draws it twice and recomputes two
       matmuls): D 128 1.08-1.31x from S 512 on; D 64 1.19-1.51x from S 1024 on, at S 512 0.87x causal and 1.34x
       full;
