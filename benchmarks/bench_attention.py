@@ -94,6 +94,9 @@ SHAPES = [
     (4, 20, 20, 2048, 2048, 96, False, "bhsd"),
     (4, 32, 32, 4096, 4096, 128, True, "bshd"),
     (1, 32, 32, 512, 8192, 128, False, "bhsd"),
+    # one sequence, or short ones: grids of under two 128-row query tiles per SM
+    (1, 16, 16, 2048, 2048, 128, True, "bhsd"),
+    (4, 16, 16, 512, 512, 128, False, "bhsd"),
 ]
 
 

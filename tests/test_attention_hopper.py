@@ -358,9 +358,13 @@ def test_auto_takes_the_hopper_backward_from_its_head_dims_lengths():
     assert not configs.prefers_hopper_backward(256, 8192, 8192, dropout=True)
 
 
-def test_auto_takes_the_hopper_forward_on_grids_of_two_programs_per_sm_from_its_head_dims_lengths():
-    assert configs.prefers_hopper_forward(128, 264, 132, 1, 1)
-    assert not configs.prefers_hopper_forward(128, 263, 132, 8192, 8192)
+def test_auto_takes_the_hopper_forward_from_its_head_dims_programs_per_sm_and_lengths():
+    # head dim 128: from half a program per SM, at any length
+    assert configs.prefers_hopper_forward(128, 66, 132, 1, 1)
+    assert not configs.prefers_hopper_forward(128, 65, 132, 8192, 8192)
+    # head dim 256: every grid
+    assert configs.prefers_hopper_forward(256, 1, 132, 1, 1)
+    # head dim 64: from two programs per SM, with queries and keys from its least length
     least = configs.HOPPER_FORWARD_MIN_LENGTH[64]
     assert configs.prefers_hopper_forward(64, 264, 132, least, least)
     assert not configs.prefers_hopper_forward(64, 10_000, 132, least - 1, 8192)
@@ -372,11 +376,13 @@ def test_auto_takes_the_hopper_forward_on_grids_of_two_programs_per_sm_from_its_
 @needs_hopper
 def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():
     big = _qkv(2, 16, 16, 2048, 2048, 128, torch.bfloat16)  # 512 programs
-    small = _qkv(1, 2, 2, 300, 300, 128, torch.bfloat16)
+    small = _qkv(1, 2, 2, 300, 300, 128, torch.bfloat16)  # 6 programs
+    one_wave = _qkv(1, 32, 32, 512, 8192, 128, torch.bfloat16)  # 128 programs: about one per SM (114-132 SMs)
     narrow_long = _qkv(2, 32, 32, 2048, 2048, 64, torch.bfloat16)  # 704 programs of 192 rows
     narrow_short = _qkv(8, 32, 32, 1024, 1024, 64, torch.bfloat16)
     with configs.forced_path("auto"):
         assert ops.uses_hopper_forward(*big) and ops.uses_hopper_forward(*narrow_long)
+        assert ops.uses_hopper_forward(*one_wave)
         assert not ops.uses_hopper_forward(*small) and not ops.uses_hopper_forward(*narrow_short)
     with configs.forced_path("hopper"):
         assert ops.uses_hopper_forward(*small) and ops.uses_hopper_forward(*narrow_short)

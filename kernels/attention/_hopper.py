@@ -41,8 +41,9 @@ Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguou
 and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33-256; the TMA box pads with
 zeros and clips the store), no dropout, no packed batches (under torch.compile it runs inside an opaque op,
 ``fused_kernels::flash_attn_fwd_gluon``). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
-(``configs.prefers_hopper_forward``: the default path takes grids of two programs per SM or more, at D 64 from
-S 2048); the backward has its own kernels (``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
+(``configs.prefers_hopper_forward``: the default path takes grids from half a program per SM at D 128, every grid
+at D 256, and at D 64 grids of two programs per SM or more from S 2048); the backward has its own kernels
+(``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
 
 Head dims 65-96 (``D_SPLIT``, ``split_96`` in ``configs.HOPPER_FORWARD``): their tiles are 128 columns wide (TMA
 fills the rest with zeros), and Q K^T and P V run over the 96 columns that count, as 64 + 32 column slices of the

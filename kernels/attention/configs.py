@@ -215,11 +215,14 @@ HOPPER_BACKWARD: dict[int, HopperBackwardTile] = {
 }
 
 
-#: ``auto`` takes the Hopper forward from this many programs per SM on. Below it the portable kernel's
-#: 64-row query blocks are steadier or faster (H100, bf16, D 128: Sq 512, Sk 8192 with 128 programs on 132
-#: SMs ran at 396-588 TFLOP/s from one measurement to the next against a steady 465-471; with 64 programs
-#: 322 against 352), while from two per SM on it leads (2048 programs at Sq 2000: 529 against 441).
-HOPPER_MIN_PROGRAMS_PER_SM = 2
+#: ``auto`` takes the Hopper forward from this many programs per SM on, by padded head dim (H100, bf16 and fp16,
+#: kernels alone, 5 interleaved rounds, Hopper / portable forward). D 128, from half a program per SM: 1.28-1.31x
+#: at Sq 512 Sk 8192 (B1 H18-64: 0.55-1.94 per SM; at 0.97 per SM 598 TFLOP/s against SDPA-cuDNN's 584),
+#: 1.16-1.81x causal at S 1024-2048, 1.03-1.82x full at S 512-2048. Below half a program per SM the portable
+#: kernel's smaller query blocks reach SMs that 128-row Hopper tiles leave idle: 0.92-0.94x at Sk 8192 (0.36-0.48
+#: per SM; 1.15x causal S 2048 at 0.48). D 256: 1.59-1.95x at every grid measured (0.36-1.45 per SM). D 64
+#: (192-row tiles, one program per tile): 0.79x at 1.33 per SM (B1 H16 Sq 2048 Sk 8192), 1.18x at 2.00.
+HOPPER_MIN_PROGRAMS_PER_SM: dict[int, float] = {64: 2.0, 128: 0.5, 256: 0.0}
 
 
 #: ``auto`` takes the Hopper forward when queries and keys both reach this length, by padded head dim.
@@ -229,13 +232,13 @@ HOPPER_FORWARD_MIN_LENGTH: dict[int, int] = {64: 2048, 128: 1, 256: 1}
 def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: int) -> bool:
     """Whether ``auto`` runs a supported forward call (padded head dim ``block_d``, ``programs`` Hopper programs on
     ``sms`` SMs, lengths ``sq`` and ``sk``) on the Hopper kernel: on a grid of at least
-    :data:`HOPPER_MIN_PROGRAMS_PER_SM` programs per SM, with Sq and Sk both reaching
+    :data:`HOPPER_MIN_PROGRAMS_PER_SM` programs per SM for its head dim, with Sq and Sk both reaching
     :data:`HOPPER_FORWARD_MIN_LENGTH`. Measured on an H100 (bf16, kernels alone, interleaved rounds), Hopper /
     portable forward at D 64, with three consumers of 64 rows: 1.00-1.05x at S 2048 (16k to 64k tokens, H 32),
     1.04-1.07x at S 2560-4096, 1.10-1.14x at S 16384; but 0.94x at S 2000 on 704 programs, 0.95x at S 1536 causal,
     0.79-0.96x at S 1024, where a program is short enough that its prologue and epilogue, with one program per SM,
     weigh. At D 128 and 256 the length does not matter (1 in the table)."""
-    if programs < HOPPER_MIN_PROGRAMS_PER_SM * sms:
+    if programs < HOPPER_MIN_PROGRAMS_PER_SM[block_d] * sms:
         return False
     least = HOPPER_FORWARD_MIN_LENGTH[block_d]
     return sq >= least and sk >= least
