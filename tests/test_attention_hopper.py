@@ -372,6 +372,25 @@ def test_auto_takes_the_hopper_forward_from_its_head_dims_programs_per_sm_and_le
     assert not configs.prefers_hopper_forward(64, 263, 132, 8192, 8192)
 
 
+def test_an_eager_backward_decides_its_kernel_path_once_per_signature_and_alignment(monkeypatch):
+    decisions = []
+    monkeypatch.setattr(ops, "uses_hopper_backward", lambda *args: decisions.append(args) or True)
+    monkeypatch.setattr(ops, "_HOPPER_BACKWARD_CHOICES", ops.PreparedCache())
+    storage = torch.zeros(2 * 64 * 16 + 1)
+    q = storage[:2 * 64 * 16].view(1, 2, 64, 16)
+    unaligned = storage[1:].view(1, 2, 64, 16)  # 4 bytes past a 16-byte boundary
+    for _ in range(3):
+        assert ops._hopper_backward_choice(("signature",), q, q, q, q, 0.0, None, False)
+    assert len(decisions) == 1
+    assert ops._hopper_backward_choice(("signature",), unaligned, q, q, q, 0.0, None, False)
+    assert ops._hopper_backward_choice(("another",), q, q, q, q, 0.0, None, False)
+    assert len(decisions) == 3
+    # calls that are not replayed (no signature) decide every time
+    ops._hopper_backward_choice(None, q, q, q, q, 0.0, None, False)
+    ops._hopper_backward_choice(None, q, q, q, q, 0.0, None, False)
+    assert len(decisions) == 5
+
+
 @pytest.mark.cuda
 @needs_hopper
 def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():

@@ -477,14 +477,16 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     dk = _empty_output(k)
     dv = torch.empty_like(dk)
     delta = torch.empty_like(lse)
-    if not traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic):
+    signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
+                                 o.stride(), deterministic)
+    if not traceable and _hopper_backward_choice(signature, q, k, v, do, dropout_p, varlen, deterministic):
         dq_kernel = configs.takes_hopper_dq_kernel(configs.block_d(d), dropout_p > 0, deterministic)
         # dQ itself when a kernel of its own writes it, else the fp32 accumulator the reductions add into
         dq_out = (_empty_output(q) if dq_kernel else
                   torch.empty((b, q.shape[1], q.shape[2], configs.block_d(d)), device=q.device, dtype=torch.float32))
         # replayed like the portable launches: the TMA arguments are made again over the call's own tensors
-        signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
-                                     o.stride(), "hopper-dq" if dq_kernel else "hopper")
+        if signature is not None:
+            signature = (signature, "hopper-dq" if dq_kernel else "hopper")
         launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq_out, dk, dv, _seed_tensor(seed)),
                          lambda: _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right, scale,
                                                       dropout_p, seed, dq_kernel),
@@ -492,15 +494,33 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
         if dq_kernel:
             return dq_out, dk, dv
         # the cast out of the padded accumulator writes dQ in q's layout
+        if dq_out.shape[-1] == d and q.is_contiguous():
+            return dq_out.to(q.dtype), dk, dv  # one call allocates and casts
         return _empty_output(q).copy_(dq_out[..., :d]), dk, dv
     dq = _empty_output(q)
-    signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
-                                 o.stride(), deterministic)
     launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq, dk, dv, _seed_tensor(seed)),
                      lambda: _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed,
                                            varlen, traceable),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
     return dq, dk, dv
+
+
+#: Whether a backward signature (:func:`_eager_signature` with dO's and O's strides and ``deterministic``) and the
+#: alignment of its tensors' addresses take the Hopper backward: ``uses_hopper_backward`` costs as much host time as
+#: a launch, and depends on nothing else.
+_HOPPER_BACKWARD_CHOICES = PreparedCache()
+
+
+def _hopper_backward_choice(signature, q, k, v, do, dropout_p: float, varlen, deterministic: bool) -> bool:
+    """``uses_hopper_backward`` for an eager call, remembered by ``signature`` (None: not remembered)."""
+    if signature is None:
+        return uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic)
+    key = (signature, (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) & 15)
+    choice = _HOPPER_BACKWARD_CHOICES.get(key)
+    if choice is None:
+        choice = uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic)
+        _HOPPER_BACKWARD_CHOICES.put(key, choice)
+    return choice
 
 
 def _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right, scale, dropout_p, seed,
