@@ -491,3 +491,48 @@ def test_a_stored_plan_leaves_no_argument_unchecked():
         assert flash_attention(q32, q32, q32).dtype == torch.float32
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             assert flash_attention(q32, q32, q32).dtype == torch.bfloat16
+
+
+def test_a_replay_with_tma_arguments_passes_what_tritons_wrapper_passes(monkeypatch):
+    """A replayed launch with TMA arguments lays its arguments out for Triton's compiled launcher itself (each
+    tensor map kept by address); it must pass exactly what Triton 3.6's wrapper would have passed."""
+    from triton.backends.nvidia import driver
+
+    from kernels._common import launch
+
+    encoded = []
+
+    def encode(arg, meta):  # stands in for the CUDA tensor-map encoder, which needs a GPU
+        encoded.append(arg.base.data_ptr())
+        return [("map", arg.base.data_ptr(), tuple(arg.block_shape), meta), *arg.shape, *arg.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    monkeypatch.setattr(launch, "_current_raw_stream", lambda device: 7)
+    calls = []
+    # kernel parameters: (x_desc, n, ptr, y_desc, seed) then one constexpr; TMA arguments at 0 and 3
+    signature = {0: "tensordesc<bf16[1, 64, 32]>", 1: "i32", 2: "*bf16", 3: "tensordesc<bf16[1, 16, 32]>", 4: "i32",
+                 5: "constexpr"}
+    wrapped = driver.wrap_handle_tensordesc(lambda *args: calls.append(args), signature, ["meta-x", "meta-y"])
+    leading = ("coop", "pdl", None, None, "packed", None, None, None)
+    entry = (wrapped, "function", leading, ("BLOCK",))
+    x, y, z = torch.zeros(4, 64, 32), torch.zeros(8, 16, 32), torch.zeros(3)
+    prepared = launch.PreparedLaunch(entry, (5, 1, 1), [None, 96, None, None, None], [(2, 2)], [(4, 0)], 0,
+                                     [(0, 0, (1, 64, 32), "layout-x"), (3, 1, (1, 16, 32), "layout-y")])
+    assert prepared._expanded is not None
+
+    def through_tritons_wrapper(tensors, ints):
+        values = [launch.TmaTensor(tensors[0], (1, 64, 32), "layout-x"), 96, tensors[2].data_ptr(),
+                  launch.TmaTensor(tensors[1], (1, 16, 32), "layout-y"), ints[0]]
+        wrapped(5, 1, 1, 7, "function", *leading, *values, "BLOCK")
+
+    # the signature fixes the shapes: between replays only the addresses and the ints change
+    for tensors, ints in [((x, y, z), (11,)), ((x, y, z), (12,))]:
+        prepared([t.data_ptr() for t in tensors], ints, tensors)
+        through_tritons_wrapper(tensors, ints)
+        assert calls[-2] == calls[-1]
+    x2 = torch.zeros(4, 64, 32)  # a new address: its tensor map is encoded, the known ones are not
+    before = len(encoded)
+    prepared([x2.data_ptr(), y.data_ptr(), z.data_ptr()], (14,), (x2, y, z))
+    assert encoded[before:] == [x2.data_ptr()]
+    through_tritons_wrapper((x2, y, z), (14,))
+    assert calls[-2] == calls[-1]

@@ -18,7 +18,8 @@ op's first eager call with a given signature records its launches (:func:`launch
 and later calls replay them (:class:`RecordedCall`) with their own tensors' addresses and per-call ints (the seed):
 a list copy and the C launcher call per launch. The op states the signature: everything its launches depend on
 besides those addresses and ints; a :class:`TmaTensor` over one of the op's tensors is made again over the later
-call's tensor (its shape and strides are in the signature). Limits and the trade-off: a recording holds only tensors
+call's tensor (its shape and strides are in the signature), its tensor map kept by address for the calls after.
+Limits and the trade-off: a recording holds only tensors
 the op names (and :func:`fixed_tensor` placeholders), so a call that launches on a tensor made inside it (a copy) is
 never replayed; kernels must not specialise on the per-call ints (``do_not_specialize``); launch-table overrides and
 kernel swaps call :func:`forget_recorded_launches`. Measured: top-level README, "Host cost".
@@ -86,11 +87,31 @@ class TmaTensor:
         self.layout = layout
         self.padding = "zero"
 
+    @classmethod
+    def slot(cls, block_shape: tuple[int, ...], layout) -> _TmaSlot:
+        """A maker of this tile over any tensor (for launches replayed on later calls' tensors)."""
+        return _TmaSlot(tuple(block_shape), layout)
+
     def descriptor(self):
         """The Gluon ``TensorDescriptor`` of the same tensor and tile, for Triton's own launch."""
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape), self.layout)
+
+
+class _TmaSlot:
+    """A TMA tile (block shape, shared layout) to be laid over a later call's tensor. ``width``: the arguments that
+    Triton's launcher wrapper makes of one such argument (its tensor map, then the tensor's shape and strides, of
+    the tile's rank)."""
+
+    __slots__ = ("block_shape", "layout", "width")
+
+    def __init__(self, block_shape: tuple[int, ...], layout):
+        self.block_shape, self.layout = block_shape, layout
+        self.width = 1 + 2 * len(block_shape)
+
+    def over(self, tensor: torch.Tensor) -> TmaTensor:
+        return TmaTensor(tensor, self.block_shape, self.layout)
 
 
 def _plain_launch(kernel, grid, args, kwargs):
@@ -290,18 +311,27 @@ def _grid3(grid) -> tuple[int, int, int]:
 class PreparedLaunch:
     """One recorded launch, replayed with an op call's own tensors and per-call ints (:class:`Recording`): the
     compiled kernel, the grid and every other argument are the recorded ones, except TMA arguments, made again over
-    the call's own tensors (Triton's launcher wrapper encodes their tensor maps on every launch). A replay costs the
-    C launcher call and a list copy, where a launch through :class:`FastLauncher` keys and converts every argument
-    (~40 per attention launch) in Python."""
+    the call's own tensors. A replay costs the C launcher call and a list copy, where a launch through
+    :class:`FastLauncher` keys and converts every argument (~40 per attention launch) in Python.
 
-    __slots__ = ("_device", "_entry", "_grid", "_int_slots", "_tensor_slots", "_tma_slots", "_values")
+    TMA arguments: Triton's launcher wrapper (``wrap_handle_tensordesc`` in its NVIDIA driver) walks every argument
+    in Python and encodes each tensor map anew on every launch. Where the compiled launcher can be reached behind
+    that wrapper, a replay expands the arguments itself, and keeps each slot's encoded tensor map by address (the
+    map depends on the address, the shape, the strides and the tile, and the op's signature fixes all but the
+    address): a later call on a tensor at an address seen before encodes nothing."""
+
+    __slots__ = ("_device", "_entry", "_expanded", "_grid", "_int_slots", "_tensor_slots", "_tma_slots", "_values")
 
     def __init__(self, entry, grid, values, tensor_slots, int_slots, device, tma_slots=()):
         self._entry, self._grid, self._values = entry, grid, values
         self._tensor_slots, self._int_slots, self._device = tensor_slots, int_slots, device
         self._tma_slots = tuple(tma_slots)
+        self._expanded = _ExpandedTmaLaunch.of(self) if self._tma_slots else None
 
     def __call__(self, addresses: list, ints: tuple, tensors: tuple = ()) -> None:
+        if self._expanded is not None:
+            self._expanded(addresses, ints, tensors)
+            return
         values = self._values.copy()
         for position, index in self._tensor_slots:
             values[position] = addresses[index]
@@ -312,6 +342,93 @@ class PreparedLaunch:
         launch, function, leading, tail = self._entry
         g0, g1, g2 = self._grid
         launch(g0, g1, g2, _current_raw_stream(self._device), function, *leading, *values, *tail)
+
+
+#: encoded tensor maps kept per TMA argument of a prepared launch (addresses a caching allocator hands out again)
+_TENSOR_MAPS_PER_SLOT = 16
+
+
+class _ExpandedTmaLaunch:
+    """A :class:`PreparedLaunch` with TMA arguments, launched through Triton's compiled launcher directly: the
+    arguments laid out as Triton's wrapper would lay them out (each TMA argument as its tensor map, shape and
+    strides), the tensor maps kept by address."""
+
+    __slots__ = ("_device", "_encode", "_function", "_grid", "_int_slots", "_launch", "_leading", "_maps", "_meta",
+                 "_template", "_tensor_slots", "_tma_slots")
+
+    @classmethod
+    def of(cls, prepared: PreparedLaunch) -> _ExpandedTmaLaunch | None:
+        """The expanded form of ``prepared``, or None where Triton's wrapper is not the one this was written for
+        (then the wrapper runs, as for a launch through :class:`FastLauncher`)."""
+        launch, function, leading, tail = prepared._entry
+        wrapped = _unwrap_tensordesc_launcher(launch)
+        if wrapped is None:
+            return None
+        raw, tensordesc_indices, tensordesc_meta, encode = wrapped
+        positions = sorted(position for position, *_ in prepared._tma_slots)
+        if (sorted(tensordesc_indices) != positions or len(tensordesc_meta) != len(positions)
+                or any(meta is None for meta in tensordesc_meta)):
+            return None
+        self = cls()
+        self._launch, self._function, self._leading, self._device = raw, function, leading, prepared._device
+        self._grid = prepared._grid
+        meta_of = dict(zip(positions, tensordesc_meta, strict=True))
+        # the argument list after the launcher's leading ones, each TMA argument widened to the width of its tensor
+        # map, shape and strides (filled on every call); where each recorded value lands in it
+        template, final = [], {}
+        recorded = prepared._values + list(tail)
+        tma_of = {position: (index, block_shape, layout)
+                  for position, index, block_shape, layout in prepared._tma_slots}
+        for position, value in enumerate(recorded):
+            final[position] = len(template)
+            if position in tma_of:
+                template.extend([None] * TmaTensor.slot(*tma_of[position][1:]).width)
+            else:
+                template.append(value)
+        self._template = template
+        self._tensor_slots = tuple((final[position], index) for position, index in prepared._tensor_slots)
+        self._int_slots = tuple((final[position], index) for position, index in prepared._int_slots)
+        self._tma_slots = tuple((final[position], index, TmaTensor.slot(block_shape, layout))
+                                for position, (index, block_shape, layout) in tma_of.items())
+        self._meta = tuple(meta_of[position] for position in tma_of)
+        self._maps = tuple({} for _ in tma_of)
+        self._encode = encode
+        return self
+
+    def __call__(self, addresses: list, ints: tuple, tensors: tuple) -> None:
+        args = self._template.copy()
+        for at, index in self._tensor_slots:
+            args[at] = addresses[index]
+        for at, index in self._int_slots:
+            args[at] = ints[index]
+        for (at, index, slot), meta, maps in zip(self._tma_slots, self._meta, self._maps, strict=True):
+            tensor = tensors[index]
+            address = tensor.data_ptr()
+            expanded = maps.get(address)
+            if expanded is None:
+                if len(maps) >= _TENSOR_MAPS_PER_SLOT:
+                    maps.clear()
+                expanded = self._encode(slot.over(tensor), meta)
+                if len(expanded) != slot.width:  # a tensor whose rank is not its tile's: TMA has no such map
+                    raise ValueError(f"TMA argument of rank {tensor.dim()} for a tile of rank {len(slot.block_shape)}")
+                maps[address] = expanded
+            args[at:at + slot.width] = expanded
+        g0, g1, g2 = self._grid
+        self._launch(g0, g1, g2, _current_raw_stream(self._device), self._function, *self._leading, *args)
+
+
+def _unwrap_tensordesc_launcher(launch):
+    """``(compiled launcher, tensordesc indices, tensordesc metadata, make_tensordesc_arg)`` behind Triton 3.6's
+    ``wrap_handle_tensordesc`` wrapper ``launch``, or None when ``launch`` is not that wrapper."""
+    code = getattr(launch, "__code__", None)
+    if code is None or code.co_name != "inner" or launch.__closure__ is None:
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__), strict=True))
+    needed = ("launcher", "tensordesc_indices", "tensordesc_meta")
+    expand = launch.__globals__.get("make_tensordesc_arg")
+    if any(name not in cells for name in needed) or expand is None:
+        return None
+    return cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"], expand
 
 
 class Recording:
