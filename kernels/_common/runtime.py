@@ -1,13 +1,18 @@
-"""Where a kernel runs: the Triton interpreter switch and the device dispatch rule.
+"""Where a kernel runs: the Triton interpreter switch, the device dispatch rule and the kernel-path switches.
 
 The rule: CUDA tensors run the Triton kernels; CPU tensors run the Triton kernels under the
 Triton interpreter when ``TRITON_INTERPRET=1`` was set before the kernels were imported, and otherwise run
 the pure-PyTorch twin from ``reference/``; any other device is an error.
+
+Families with Hopper-only (Gluon) kernels beside their portable ones read a path switch from an environment
+variable of their own (:func:`kernel_path`): ``auto`` (the family's measured rule), ``hopper`` (every call the
+Hopper kernels support) or ``portable`` (never).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Literal
@@ -67,3 +72,38 @@ def is_fake(t: torch.Tensor) -> bool:
     (missing) data, so launchers ask this first.
     """
     return t.device.type == "meta" or _torch_is_fake(t)
+
+
+#: the values of a family's kernel-path switch (:func:`kernel_path`)
+KERNEL_PATHS = ("auto", "hopper", "portable")
+
+
+def kernel_path(env: str) -> str:
+    """The kernel path that environment variable ``env`` asks for now (``auto`` when unset); read at each call,
+    so a test or a tool can set it with :func:`forced_kernel_path`."""
+    chosen = os.environ.get(env, "auto")
+    if chosen not in KERNEL_PATHS:
+        raise ValueError(f"{env}={chosen!r}: expected one of {KERNEL_PATHS}")
+    return chosen
+
+
+@contextlib.contextmanager
+def forced_kernel_path(env: str, name: str) -> Iterator[None]:
+    """Inside the block, ``env`` asks for kernel path ``name`` (one of :data:`KERNEL_PATHS`)."""
+    if name not in KERNEL_PATHS:
+        raise ValueError(f"path {name!r}: expected one of {KERNEL_PATHS}")
+    saved = os.environ.get(env)
+    os.environ[env] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[env]
+        else:
+            os.environ[env] = saved
+
+
+@functools.cache
+def is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU (H100, H200, H800, GH200)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)

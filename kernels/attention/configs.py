@@ -25,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 
 from kernels._common.launch import cdiv, forget_recorded_launches
+from kernels._common.runtime import KERNEL_PATHS, forced_kernel_path, kernel_path
+from kernels._common.runtime import is_hopper as is_hopper  # the attention family's name for it
 
 #: Head dims are padded to a power of two of at least 16; the kernels take up to 1024.
 MAX_HEAD_DIM = 1024
@@ -141,7 +142,7 @@ ROWS: tuple[Row, ...] = (
 #: ``portable`` never. Read at each call, so a test or a tool can set it with
 #: ``forced_path``.
 PATH_ENV = "FUSED_KERNELS_ATTENTION_PATH"
-PATHS = ("auto", "hopper", "portable")
+PATHS = KERNEL_PATHS
 
 
 class HopperForwardTile(NamedTuple):
@@ -315,16 +316,7 @@ def prefers_hopper_backward(block_d: int, sq: int, sk: int, dropout: bool = Fals
 
 def path() -> str:
     """The kernel path calls take now (``PATH_ENV``; ``auto`` when unset)."""
-    chosen = os.environ.get(PATH_ENV, "auto")
-    if chosen not in PATHS:
-        raise ValueError(f"{PATH_ENV}={chosen!r}: expected one of {PATHS}")
-    return chosen
-
-
-@functools.cache
-def is_hopper(device: torch.device) -> bool:
-    """Whether ``device`` is an sm_90 GPU (H100, H200, H800, GH200)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return kernel_path(PATH_ENV)
 
 
 @functools.cache
@@ -332,20 +324,9 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@contextlib.contextmanager
-def forced_path(name: str) -> Iterator[None]:
+def forced_path(name: str) -> contextlib.AbstractContextManager[None]:
     """Inside the block, calls take kernel path ``name`` (one of :data:`PATHS`)."""
-    if name not in PATHS:
-        raise ValueError(f"path {name!r}: expected one of {PATHS}")
-    saved = os.environ.get(PATH_ENV)
-    os.environ[PATH_ENV] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[PATH_ENV]
-        else:
-            os.environ[PATH_ENV] = saved
+    return forced_kernel_path(PATH_ENV, name)
 
 
 # The one place a different tile can be forced (see ``override``).
