@@ -10,6 +10,10 @@ decision with its reason. The measurements behind them are in the family's ``TUN
   ``fwd_affine_first``, and a call whose traffic fits in L2 marks the rows to leave it first; wider rows are
   read in chunks of ``chunk`` by persistent programs whose rows in flight fit in L2, so the second pass over
   a row reads it from L2.
+- **forward on Hopper, rows wider than ``max_fused_fwd``**: each row read once into shared memory
+  (``kernels/layernorm/_hopper.py``), slots of ``hopper_chunk`` elements, one program per SM, the spare shared
+  memory holding w and b of the leading chunks (and for RMSNorm the next row's first chunks):
+  :func:`hopper_forward`.
 - **backward, rows up to ``max_fused_bwd``**: tiles of about ``bwd_tile`` elements,
   ``min(row tiles, programs_per_sm * SMs)`` programs, each owning a contiguous range of rows and adding
   its partial dW/dB once into one of ``min(programs, max_group_size_m)`` fp32 buffers under a lock (one
@@ -38,6 +42,7 @@ import functools
 from collections.abc import Iterator
 
 from kernels._common.launch import cdiv, forget_recorded_launches, l2_cache_bytes, multiprocessor_count
+from kernels._common.runtime import forced_kernel_path, kernel_path
 from reference.dropout import LANE_STRIDE
 
 DROPOUT_CHUNK = 4 * LANE_STRIDE  # elements per Philox chunk of the dropout layout
@@ -70,6 +75,19 @@ class Settings:
     chunk_warps: int = 8
     chunk_loop_stages: int = 3  # software pipelining of the chunk loop
     chunk_l2_fraction: float = 0.5  # rows in flight of the chunked forward fill at most this much of L2
+    # Hopper forward of rows wider than max_fused_fwd (kernels/layernorm/_hopper.py): each row held in shared
+    # memory, in slots of hopper_chunk elements, one program of hopper_warps warps per SM (16-bit rows of
+    # 40000-65536, H100, the best of each against the best of the other: 8192-element slots 0.99-1.03x 4096,
+    # 16 warps 0.99-1.04x 8; two programs per SM, which fit rows up to 113 KB, 0.99-1.01x one).
+    hopper_chunk: int = 8192
+    hopper_warps: int = 16
+    hopper_shared_bytes: int = 227 * 1024 - 1024  # one program's shared memory on sm_90, less reduction scratch
+    # Spare shared memory (beyond the row) holds w and b of the leading chunks for all of a program's rows
+    # (LayerNorm 65536: 0.84-0.85 of copy against 0.82 reading them from L2 for every row, where they are 2/3 of
+    # the program's L2 reads), and for RMSNorm half of it holds the next row's first chunks, which then load
+    # while this row's statistics are computed (RMSNorm 65536: 0.94 against 0.93; LayerNorm 0.82 with the
+    # spare memory all next-row slots).
+    hopper_rms_extra_fraction: float = 0.5
     # Fused residual + dropout + norm forward: elements per program. Its first pass walks whole dropout
     # chunks (4096 elements, one Philox call per four); a program draws the chunks cut by its ends in full,
     # so larger tiles waste a smaller share of Philox work.
@@ -106,6 +124,21 @@ class Settings:
 
 SETTINGS = Settings()
 _active = SETTINGS
+
+#: Which forward wide rows take on a GPU: ``auto`` (default) and ``hopper`` take the Hopper kernel
+#: (``kernels/layernorm/_hopper.py``) on sm_90 for every call it supports (it measured faster than the portable
+#: chunked path at every width it takes), ``portable`` never. Read at each call (:func:`forced_path`).
+PATH_ENV = "FUSED_KERNELS_LAYERNORM_PATH"
+
+
+def path() -> str:
+    """The kernel path calls take now (``PATH_ENV``; ``auto`` when unset)."""
+    return kernel_path(PATH_ENV)
+
+
+def forced_path(name: str) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, calls take kernel path ``name`` (``auto``, ``hopper`` or ``portable``)."""
+    return forced_kernel_path(PATH_ENV, name)
 
 
 @contextlib.contextmanager
@@ -225,6 +258,28 @@ def forward_programs(m: int, n: int, cfg: dict, elt_size: int, device_index: int
     return min(tiles, max(sms, fitting))
 
 
+def hopper_forward(n: int, x_bytes: int, w_bytes: int, b_bytes: int, is_rms: bool) -> dict | None:
+    """Launch parameters of the Hopper shared-memory-row forward for rows of ``n`` (elements of ``x_bytes``; w
+    and b of ``w_bytes`` and ``b_bytes``, 0 where absent), or None where it does not apply: rows that fit in
+    registers (the portable kernel is one pass there too), 32-bit rows, widths not a multiple of 16 bytes, and rows
+    too wide for one program's shared memory (over 14 slots: 114688 16-bit elements). One program per SM
+    (:func:`hopper_forward_programs`)."""
+    s = _active
+    if type(n) is not int or n <= s.max_fused_fwd or x_bytes != 2 or (n * x_bytes) % 16:
+        return None
+    chunk = s.hopper_chunk
+    chunks = cdiv(n, chunk)
+    slot = chunk * x_bytes
+    spare = s.hopper_shared_bytes - chunks * slot
+    if spare < 0:
+        return None
+    extra = min(chunks - 1, int(spare * s.hopper_rms_extra_fraction) // slot) if is_rms else 0
+    affine = chunk * (w_bytes + b_bytes)
+    resident = min(chunks, (spare - extra * slot) // affine) if affine else 0
+    return {"CHUNK": chunk, "CHUNKS": chunks, "VEC": 16 // x_bytes, "EXTRA": extra, "AHEAD": 2,
+            "RESIDENT": resident, "num_warps": s.hopper_warps}
+
+
 def fused_backward(n) -> bool:
     """Whether rows of ``n`` take the single-kernel backward (else the wide, column-blocked one)."""
     return n <= _active.max_fused_bwd
@@ -317,4 +372,11 @@ def table(m: int = 4096, sms: int = 132, l2_bytes: int = 50 * 2**20, elt_size: i
                        f"{w['maxnreg']} registers"
                        + ("" if exchange else ", two launches"))
             lines.append(f"{rows:>7} {n:>6}  {fwd:<58} {bwd}")
+    lines.append("sm_90, eager, 16-bit rows, w and b in x's dtype: the shared-memory forward (slots of CHUNK, "
+                 "extra ring slots, chunks with w and b resident)")
+    for n in (40000, 65536, 100000):
+        plans = [hopper_forward(n, elt_size, elt_size, 0 if rms else elt_size, rms) for rms in (False, True)]
+        lines.append(f"{'':>7} {n:>6}  " + "; ".join(
+            f"{name}: {p['CHUNKS']} x {p['CHUNK']}, {p['EXTRA']} extra, {p['RESIDENT']} resident, {p['num_warps']}w"
+            for name, p in zip(("LayerNorm", "RMSNorm"), plans, strict=True) if p is not None))
     return "\n".join(lines)

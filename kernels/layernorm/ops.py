@@ -49,9 +49,9 @@ from kernels._common.launch import (
     replayed,
 )
 from kernels._common.launch import kernels_from as swap_kernels
-from kernels._common.runtime import INTERPRETER
+from kernels._common.runtime import INTERPRETER, is_hopper
 from kernels._common.seed import SEED_WORD_PARAMETERS, Seed
-from kernels.layernorm import configs
+from kernels.layernorm import _hopper, configs
 from kernels.layernorm._kernels import (
     _add_dropout_norm_fwd_kernel,
     _layer_norm_bwd_dwdb_kernel,
@@ -139,9 +139,20 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, tracea
     if nothing_to_launch(x):
         return y, mean, rstd
 
+    hopper = None if traceable else _hopper_forward_plan(x, weight, bias, n, stride_x, is_rms)
+
     def launch():
-        cfg = configs.forward(n)
         device_index = x.device.index or 0
+        if hopper is not None:
+            grid = (min(m, multiprocessor_count(device_index)),)
+            kernel_for(_hopper._norm_fwd_shared_row_kernel, traceable=False)[grid](
+                x, y, _or_unused(weight, x, False), _or_unused(bias, x, False),
+                _or_unused(None if is_rms else mean, x, False), rstd, m, n // hopper["VEC"], stride_x // hopper["VEC"],
+                n // hopper["VEC"], eps, IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                **hopper,
+            )
+            return
+        cfg = configs.forward(n)
         grid = (configs.forward_programs(m, n, cfg, x.element_size(), device_index),)
         kernel_for(_layer_norm_fwd_kernel, traceable=traceable)[grid](
             x, y, _or_unused(weight, x, traceable), _or_unused(bias, x, traceable),
@@ -152,9 +163,22 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, tracea
 
     signature = None if not _eager(traceable) else (
         x.shape, stride_x, n, x.dtype, y.dtype, x.device.index, None if weight is None else weight.dtype,
-        None if bias is None else bias.dtype, eps, is_rms)
+        None if bias is None else bias.dtype, eps, is_rms, hopper is not None)
     launch_or_replay(_NORM_FORWARD_CALLS, signature, (x, y, weight, bias, mean, rstd), launch)
     return y, mean, rstd
+
+
+def _hopper_forward_plan(x, weight, bias, n, stride_x, is_rms) -> dict | None:
+    """Launch parameters of the Hopper forward (``kernels/layernorm/_hopper.py``) for this eager call, or None
+    for the portable kernel: rows wider than the register path's (``configs.hopper_forward``) on an sm_90 GPU,
+    unless ``FUSED_KERNELS_LAYERNORM_PATH=portable``, with every copy 16-byte aligned (x, its row stride, w and b)."""
+    plan = configs.hopper_forward(n, x.element_size(), 0 if weight is None else weight.element_size(),
+                                  0 if bias is None else bias.element_size(), is_rms)
+    if plan is None or not is_hopper(x.device) or configs.path() == "portable":
+        return None
+    if (stride_x * x.element_size()) % 16 or any(t is not None and t.data_ptr() % 16 for t in (x, weight, bias)):
+        return None
+    return plan
 
 
 def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *, n=None, grad_dtypes=None,

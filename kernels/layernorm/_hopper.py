@@ -1,0 +1,209 @@
+"""LayerNorm / RMSNorm forward of wide rows for Hopper (sm_90) in Gluon: each row read from HBM once and held in
+shared memory.
+
+Implements the forward of ``_layer_norm_fwd_kernel`` (``kernels/layernorm/_kernels.py``, read beside
+``reference/layernorm.py``) for rows too wide for registers: y, the fp32 mean (LayerNorm) and 1/std of each row.
+The portable kernel's chunked path reads such a row twice, once for its statistics and once, from L2, to
+normalise it (0.57-0.76 of copy bandwidth at 40000-65536 bf16 elements on the H100); here the row stays in shared
+memory between the two.
+
+Schedule (persistent: one program per SM walking rows ``pid, pid + programs, ...``):
+- the program's chunks of ``CHUNK`` elements form one sequence, copied in order by asynchronous copies
+  (``cp.async``, one commit group per chunk) into a ring of ``CHUNKS + EXTRA`` shared-memory slots, so a wait
+  names how many later chunks may still be in flight. Each chunk written out frees its slot for the chunk
+  ``CHUNKS + EXTRA`` further on: the next row streams in while this one is written out, and with ``EXTRA`` slots
+  the one after starts while this row's statistics are computed.
+- statistics as the chunks land: RMSNorm sums squares; LayerNorm runs Welford's update per register slot across
+  the chunks (each slot sees one element per chunk) and merges the slots at the end (Chan, Golub and LeVeque), so
+  the statistics take one pass over shared memory, not a mean pass and a deviation pass (0.81 of copy against
+  0.77 for the two passes, LayerNorm 65536 on the H100).
+- the last pass normalises each chunk with the portable kernel's roundings (``(x - mean) * rstd``, then ``* w``,
+  then ``+ b``), stores it and refills its slot. w and b of the first ``RESIDENT`` chunks are copied into shared
+  memory once per program; the rest are read from L2 ``AHEAD`` chunks before their use.
+- a thread reads back exactly the elements its own copies wrote (the copy and the read use one register
+  layout); the compiler still places a barrier at each wait and before each refill.
+
+Limits: sm_90; 16-bit rows (a 65536-element fp32 row would not fit) of more than the register path's width and at
+most 14 slots of 8192 elements (``configs.hopper_forward``); x with a unit column stride whose row stride and
+address, and w's and b's addresses, are 16-byte multiples (each copy moves 16 bytes); eager calls only (under
+torch.compile the portable kernel is traced). ``kernels.layernorm.ops`` picks it; the portable chunked path is the
+readable version and the one every other device and the interpreter run.
+
+Trade-off: one program per SM (a 128 KB row leaves no room for a second), so the gaps of its schedule (the
+statistics' reductions, the barriers at each chunk, w and b on the critical path of the last pass) are not covered
+by another program's work: LayerNorm with w and b at 65536 reaches 0.84-0.85 of copy, RMSNorm 0.93-0.95.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+__all__ = ["_norm_fwd_shared_row_kernel"]
+
+
+@gluon.jit
+def _copy_chunk(slot, row_ptr, offs, chunk: gl.constexpr, CHUNK: gl.constexpr, N, live):
+    """Issue the copy of chunk ``chunk`` of the row at ``row_ptr`` into ``slot`` (masked off past N or when not
+    ``live``) as one commit group."""
+    cols = chunk * CHUNK + offs
+    async_copy.async_copy_global_to_shared(slot, row_ptr + cols, mask=(cols < N) & live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _affine(w_ptr, b_ptr, cols, N, HAS_WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """``(w, b)`` over ``cols`` in fp32, read from global memory (w 1 and b 0 where the norm has none)."""
+    mask = cols < N
+    if HAS_WEIGHT:
+        w = gl.load(w_ptr + cols, mask=mask, other=0.0).to(gl.float32)
+    else:
+        w = gl.where(mask, 1.0, 0.0)
+    if HAS_BIAS:
+        b = gl.load(b_ptr + cols, mask=mask, other=0.0).to(gl.float32)
+    else:
+        b = gl.where(mask, 0.0, 0.0)
+    return w, b
+
+
+@gluon.jit
+def _resident_affine(w_res, b_res, c: gl.constexpr, cols, N, layout: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+                     HAS_BIAS: gl.constexpr):
+    """``(w, b)`` of chunk ``c`` in fp32, from the program's shared-memory copy."""
+    mask = cols < N
+    if HAS_WEIGHT:
+        w = w_res.index(c).load(layout).to(gl.float32)
+    else:
+        w = gl.where(mask, 1.0, 0.0)
+    if HAS_BIAS:
+        b = b_res.index(c).load(layout).to(gl.float32)
+    else:
+        b = gl.where(mask, 0.0, 0.0)
+    return w, b
+
+
+@gluon.jit
+def _norm_fwd_shared_row_kernel(
+    x_ptr,  # (M, N) input, row stride stride_x_row, unit column stride
+    y_ptr,  # (M, N) output, row stride stride_y_row
+    w_ptr,  # (N,) weight or a dummy when HAS_WEIGHT is False
+    b_ptr,  # (N,) bias or a dummy when HAS_BIAS is False
+    mean_ptr,  # (M,) fp32 mean (not written for RMSNorm)
+    rstd_ptr,  # (M,) fp32 1/std
+    M,
+    N_VECS,  # N // VEC, and the row strides in VECs below: the compiler then knows every copy is whole
+    x_row_vecs,
+    y_row_vecs,
+    eps,
+    IS_RMS: gl.constexpr,
+    HAS_WEIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    CHUNK: gl.constexpr,  # elements per shared-memory slot
+    CHUNKS: gl.constexpr,  # chunks per row: cdiv(N, CHUNK)
+    VEC: gl.constexpr,  # elements per 16-byte copy
+    EXTRA: gl.constexpr = 0,  # slots beyond one row's (< CHUNKS): the next row's first chunks load ahead
+    AHEAD: gl.constexpr = 1,  # chunks by which the loads of w and b from L2 run ahead of their use (1 or 2)
+    RESIDENT: gl.constexpr = 0,  # leading chunks whose w and b stay in shared memory for all the program's rows
+):
+    SLOTS: gl.constexpr = CHUNKS + EXTRA
+    N = N_VECS * VEC
+    stride_x_row = x_row_vecs.to(gl.int64) * VEC
+    stride_y_row = y_row_vecs.to(gl.int64) * VEC
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    slots = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [SLOTS, CHUNK], flat)
+    offs = gl.arange(0, CHUNK, layout=layout)
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+
+    # w and b of the first RESIDENT chunks: copied once, one commit group older than the first row's chunks.
+    if RESIDENT > 0 and HAS_WEIGHT:
+        w_res = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [RESIDENT, CHUNK], flat)
+    else:
+        w_res = slots  # never read
+    if RESIDENT > 0 and HAS_BIAS:
+        b_res = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [RESIDENT, CHUNK], flat)
+    else:
+        b_res = slots  # never read
+    if RESIDENT > 0:
+        for c in gl.static_range(RESIDENT):
+            cols = c * CHUNK + offs
+            if HAS_WEIGHT:
+                async_copy.async_copy_global_to_shared(w_res.index(c), w_ptr + cols, mask=cols < N)
+            if HAS_BIAS:
+                async_copy.async_copy_global_to_shared(b_res.index(c), b_ptr + cols, mask=cols < N)
+        async_copy.commit_group()
+
+    # The program's chunks form one sequence (its k-th row's chunk c is number k * CHUNKS + c), copied in order
+    # into slot (number % SLOTS), one commit group each: the first SLOTS now, then one per chunk written out.
+    for g in gl.static_range(SLOTS):
+        row = pid + (g // CHUNKS) * programs
+        _copy_chunk(slots.index(g), x_ptr + row * stride_x_row, offs, g % CHUNKS, CHUNK, N, row < M)
+
+    base = 0  # the slot of the current row's chunk 0
+    for row in range(pid, M, programs):
+        # Statistics, each chunk as it lands: SLOTS - 1 - c copies are issued after this row's chunk c.
+        if IS_RMS:
+            acc = gl.zeros([CHUNK], gl.float32, layout)
+            for c in gl.static_range(CHUNKS):
+                async_copy.wait_group(SLOTS - 1 - c)
+                x = slots.index((base + c) % SLOTS).load(layout).to(gl.float32)
+                acc = gl.fma(x, x, acc)
+            mean = 0.0
+            rstd = 1.0 / gl.sqrt(gl.div_rn(gl.sum(acc, axis=0), N * 1.0) + eps)
+        else:
+            # Welford per register slot across the chunks (each slot sees one element per chunk), then
+            # the slots merged (Chan et al.): the statistics in one pass over the chunks as they land.
+            slot_mean = gl.zeros([CHUNK], gl.float32, layout)
+            slot_m2 = gl.zeros([CHUNK], gl.float32, layout)
+            for c in gl.static_range(CHUNKS):
+                async_copy.wait_group(SLOTS - 1 - c)
+                x = slots.index((base + c) % SLOTS).load(layout).to(gl.float32)
+                delta = x - slot_mean
+                if c == CHUNKS - 1:
+                    delta = gl.where(c * CHUNK + offs < N, delta, 0.0)
+                slot_mean = slot_mean + delta * (1.0 / (c + 1))
+                slot_m2 = gl.fma(delta, x - slot_mean, slot_m2)
+            counts = gl.where((CHUNKS - 1) * CHUNK + offs < N, CHUNKS * 1.0, (CHUNKS - 1) * 1.0)
+            mean = gl.div_rn(gl.sum(counts * slot_mean, axis=0), N * 1.0)
+            spread = slot_mean - mean
+            m2 = gl.sum(gl.fma(counts * spread, spread, slot_m2), axis=0)
+            rstd = 1.0 / gl.sqrt(gl.div_rn(m2, N * 1.0) + eps)
+            gl.store(mean_ptr + row, mean)
+        gl.store(rstd_ptr + row, rstd)
+
+        # Normalise and store chunk c, then copy chunk number + SLOTS into its slot.
+        y_row = y_ptr + row * stride_y_row
+        # w and b of chunk j >= RESIDENT are loaded AHEAD chunks before their use, queued in (w0, b0), (w1, b1)
+        if RESIDENT == 0:
+            w0, b0 = _affine(w_ptr, b_ptr, offs, N, HAS_WEIGHT, HAS_BIAS)
+        if AHEAD == 2:
+            if RESIDENT == 0:
+                w1, b1 = _affine(w_ptr, b_ptr, CHUNK + offs, N, HAS_WEIGHT, HAS_BIAS)
+            elif RESIDENT == 1:
+                w0, b0 = _affine(w_ptr, b_ptr, CHUNK + offs, N, HAS_WEIGHT, HAS_BIAS)
+        for c in gl.static_range(CHUNKS):
+            cols = c * CHUNK + offs
+            if c < RESIDENT:
+                w, b = _resident_affine(w_res, b_res, c, cols, N, layout, HAS_WEIGHT, HAS_BIAS)
+            else:
+                w = w0
+                b = b0
+                if AHEAD == 2 and c + 1 < CHUNKS:
+                    w0 = w1
+                    b0 = b1
+            if c + AHEAD < CHUNKS and c + AHEAD >= RESIDENT:
+                if AHEAD == 2 and c + 1 >= RESIDENT:
+                    w1, b1 = _affine(w_ptr, b_ptr, cols + 2 * CHUNK, N, HAS_WEIGHT, HAS_BIAS)
+                else:
+                    w0, b0 = _affine(w_ptr, b_ptr, cols + AHEAD * CHUNK, N, HAS_WEIGHT, HAS_BIAS)
+            slot = slots.index((base + c) % SLOTS)
+            y = (slot.load(layout).to(gl.float32) - mean) * rstd  # the portable kernel's roundings, in its order
+            if HAS_WEIGHT:
+                y = y * w
+            if HAS_BIAS:
+                y = y + b
+            gl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+            refill = row + (1 + (c + EXTRA) // CHUNKS) * programs
+            _copy_chunk(slot, x_ptr + refill * stride_x_row, offs, (c + EXTRA) % CHUNKS, CHUNK, N,
+                        refill < M)
+        base = (base + CHUNKS) % SLOTS
