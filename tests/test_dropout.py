@@ -194,6 +194,8 @@ def _strided_view(name: str, dtype: torch.dtype) -> torch.Tensor:
     make = lambda *shape: torch.randn(*shape, device=DEVICE).to(dtype)
     if name == "permuted (B, S, H, D)":
         return make(2, 1000 if big else 70, 8 if big else 3, 64).permute(0, 2, 1, 3)
+    if name == "permuted, whole chunks per head":
+        return make(2, 1024 if big else 64, 8 if big else 3, 64).permute(0, 2, 1, 3)
     if name == "rows of a slice":
         return make(300 if big else 50, 96)[:, 16:48]
     if name == "wide rows of a slice":
@@ -206,7 +208,8 @@ def _strided_view(name: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 # view -> the strided kernel that reads it in place (None: copied to contiguous first)
-STRIDED_VIEWS = {"permuted (B, S, H, D)": "rows", "rows of a slice": "rows", "wide rows of a slice": "rows",
+STRIDED_VIEWS = {"permuted (B, S, H, D)": "rows", "permuted, whole chunks per head": "rows",
+                 "rows of a slice": "rows", "wide rows of a slice": "rows",
                  "transposed": "columns", "transposed, rows not whole chunks": None, "3-D permuted": None}
 
 
@@ -236,6 +239,19 @@ def test_strided_views_are_read_in_place_with_the_mask_of_their_contiguous_copy(
     in_place = view.clone()
     dropout(in_place, 0.3, seed=21, inplace=True)
     assert torch.equal(in_place, expected)
+
+
+def test_permuted_views_of_whole_chunks_per_head_run_in_memory_order():
+    """The rows kernel orders its programs heads first exactly where every head's span is whole chunks and the heads
+    lie nearer in memory than the rows (the view the strided test above checks bit for bit)."""
+    from kernels.dropout import ops
+
+    # (B, S, H, D) viewed as (B, H, S, D): S1 = H (stride D), S2 = S (stride H * D), S3 = D
+    assert ops._s1_fast_span(3, 64, 64, 3 * 64, 64) == 1
+    assert ops._s1_fast_span(8, 64, 1024, 8 * 64, 64) == 16
+    assert ops._s1_fast_span(3, 64, 70, 3 * 64, 64) == 0  # a chunk would straddle two heads
+    assert ops._s1_fast_span(3, 70 * 64, 70, 64, 64) == 0  # a contiguous (B, H, S, D) tensor's order is logical
+    assert ops._s1_fast_span(1, 64, 64, 64, 64) == 0
 
 
 def test_p_zero_and_eval_return_x_and_p_one_returns_zeros():

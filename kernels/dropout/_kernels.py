@@ -16,7 +16,8 @@ which the kernel matches with four contiguous loads so nothing is shuffled betwe
 Strided views: ``_dropout_rows_kernel`` (innermost logical dim contiguous, e.g. a permuted (B, S, H, D) tensor)
 and ``_dropout_columns_kernel`` (a transposed 2-D matrix whose rows are whole chunks) read a view where it lies
 and compute each element's word from its logical index, so the mask is the contiguous copy's; the launcher picks
-them (``kernels.dropout.ops._launch_strided``) and copies other views to contiguous first.
+them (``kernels.dropout.ops._launch_strided``) and copies other views to contiguous first. The rows kernel orders
+its programs by memory rather than by logical index where a view's heads lie side by side (``S1_FAST``).
 
 Limits: 64-bit offsets, so any element count works.
 """
@@ -77,6 +78,8 @@ def _dropout_rows_kernel(
     ROW: tl.constexpr,  # min(S3, LANE_STRIDE): S3 divides LANE_STRIDE or LANE_STRIDE divides S3
     ONE_WRAP: tl.constexpr,  # a chunk's rows cross at most one S2 boundary (S2 >= rows per chunk)
     INDEX_64: tl.constexpr,  # row indices past 2^31
+    span_chunks=0,  # with S1_FAST: chunks per (S0, S1) index, S2 * S3 / (4 * LANE_STRIDE)
+    S1_FAST: tl.constexpr = False,  # S1 is the outer dim nearest in memory: neighbouring programs take S1 neighbours
 ):
     """The element-wise layout's chunk ``program_id(0)`` of a strided view whose innermost logical dim is contiguous:
     each run of ``LANE_STRIDE`` logical elements is ``LANE_STRIDE // ROW`` pieces of ``ROW`` contiguous elements
@@ -85,7 +88,12 @@ def _dropout_rows_kernel(
 
     Index arithmetic: the chunk's first row is split into (S0, S1, S2) indices once per program; the other rows
     step from it, carrying into S1 and S0 (``ONE_WRAP``) or, where S2 is shorter than a chunk's rows, divided out
-    one by one. A division per row cost the first version 90% of its speed (271 GB/s against 2,000, H100)."""
+    one by one. A division per row cost the first version 90% of its speed (271 GB/s against 2,000, H100).
+
+    Program order: chunk ``program_id(0)`` in logical order, or with ``S1_FAST`` (a permuted ``(B, S, H, D)`` view,
+    whose heads lie side by side in memory) the programs of neighbouring ids take the same S2 span of neighbouring
+    S1 indices, so that the programs running at once read and write memory contiguously rather than one head's
+    rows a stride apart."""
     k0, k1 = philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
     thr = tl.cast(threshold, tl.uint32)
     scale = tl.cast(scale, tl.float32)
@@ -96,6 +104,9 @@ def _dropout_rows_kernel(
     column = tl.arange(0, ROW)[None, :]
     lane = piece * ROW + column
     chunk = tl.program_id(0).to(tl.int64)
+    if S1_FAST:  # program id = (i0 * span_chunks + span chunk) * S1 + i1
+        outer = chunk // S1
+        chunk = (outer // span_chunks * S1 + chunk % S1) * span_chunks + outer % span_chunks
     base = chunk * (4 * LANE_STRIDE)
     first_row = (base // S3).to(index_ty)
     first_col = (base % S3).to(index_ty)

@@ -106,10 +106,11 @@ def _launch_strided(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, tra
             (_, xs0, ys0), (s1, xs1, ys1), (s2, xs2, ys2), (s3, _, ys3) = dims
             n = src.numel()
             rows_per_chunk = max(1, _CHUNK // s3)
+            span_chunks = _s1_fast_span(s1, xs1, s2, xs2, s3)
             kernel_for(_dropout_rows_kernel, traceable=traceable)[(cdiv(n, _CHUNK),)](
                 src, out, n, s1, s2, s3, xs0, xs1, xs2, ys0, ys1, ys2, ys3, *seed_args, ROW=min(inner, LANE_STRIDE),
-                ONE_WRAP=s2 >= rows_per_chunk, INDEX_64=n // s3 + rows_per_chunk >= 2**31,
-                num_warps=configs.NUM_WARPS,
+                ONE_WRAP=s2 >= rows_per_chunk, INDEX_64=n // s3 + rows_per_chunk >= 2**31, span_chunks=span_chunks,
+                S1_FAST=span_chunks > 0, num_warps=configs.NUM_WARPS,
             )
             return True
     if len(dims) == 2 and dims[0][1] == 1 and dims[0][2] == 1 and dims[1][0] % _CHUNK == 0:
@@ -122,6 +123,15 @@ def _launch_strided(src: torch.Tensor, out: torch.Tensor, scalars: tuple, *, tra
         )
         return True
     return False
+
+
+def _s1_fast_span(s1: int, xs1: int, s2: int, xs2: int, s3: int) -> int:
+    """Chunks per (S0, S1) index when ``_dropout_rows_kernel`` should order its programs S1 first (0: logical
+    order): the view's S1 lies nearer in memory than S2 (a permuted ``(B, S, H, D)`` tensor: heads side by side) and
+    every (S0, S1) span is whole chunks, so that no chunk straddles two of them."""
+    if s1 > 1 and xs1 < xs2 and (s2 * s3) % _CHUNK == 0:
+        return s2 * s3 // _CHUNK
+    return 0
 
 
 def _dropout_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = False,
