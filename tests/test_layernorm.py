@@ -154,11 +154,12 @@ def test_mixed_precision_fp32_affine_with_low_precision_input(dtype):
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_no_weight_no_bias(kind):
-    x, _, _, dy = _inputs(7, 100, torch.float32)
+@pytest.mark.parametrize("n", [100, 8200], ids=str)  # the single-kernel and the wide (split-row) backward
+def test_no_weight_no_bias(kind, n):
+    x, _, _, dy = _inputs(7, n, torch.float32)
     _check_against_torch(kind, x, None, None, dy, 1e-5)
     if kind == "layer":
-        x, w, _, dy = _inputs(7, 100, torch.float32)
+        x, w, _, dy = _inputs(7, n, torch.float32)
         _check_against_torch(kind, x, w, None, dy, 1e-5)
 
 
@@ -425,6 +426,63 @@ def test_hopper_forward_declines_what_it_cannot_take_and_those_calls_stay_right(
     assert _path_forward("portable", "layer", x, w, b)[0] is None
 
 
+def test_hopper_backward_plan_fits_the_wide_paths_programs():
+    """The Hopper wide backward takes 16-bit rows of the wide path whose width is a multiple of 8, with a ring that two
+    programs per SM hold in shared memory and a publishing lead shorter than the ring."""
+    from kernels.layernorm import configs
+
+    s = configs.SETTINGS
+    for n in (s.max_fused_bwd, s.max_fused_bwd + 8, 20000, 65536, 100000, 20001):
+        plan = configs.hopper_backward(n, 2, 2)
+        if n <= s.max_fused_bwd or n % 8:
+            assert plan is None, n
+            continue
+        assert plan["COL_BLOCKS"] == -(-n // plan["BLOCK_N"]) and 0 < plan["PUBLISH_AHEAD"] < plan["RING"]
+        assert s.wide_programs_per_sm * plan["RING"] * plan["BLOCK_N"] * 4 <= s.hopper_shared_bytes
+        assert configs.hopper_backward(n, 4, 2) is None and configs.hopper_backward(n, 2, 4) is None
+
+
+def _path_backward(path, kind, x, w, dy):
+    from kernels.layernorm import configs
+
+    with configs.forced_path(path):
+        n = x.shape[-1]
+        plan = ops._hopper_backward_plan(x, dy, n, x.stride(0), dy.stride(0))
+        _, mean, rstd = ops._norm_fwd_impl(x, w, None, 1e-5, kind == "rms")
+        grads = ops._norm_bwd_impl(dy, x, w, mean, rstd, kind == "rms", kind == "layer", False)
+        return plan, grads
+
+
+@needs_hopper
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("m", "n"), [(5, 16384), (1000, 20000), (300, 65536), (2048, 8200)], ids=str)
+@pytest.mark.parametrize("weight", [True, False], ids=["w", "no w"])
+def test_hopper_wide_backward_equals_the_portable_one_and_repeats_bitwise(kind, dtype, m, n, weight):
+    """The shared-memory-ring exchange against the portable split-row kernel: a partial last column block, fewer rows
+    than the ring, more rows than lanes; dx, dW and dB, and the same bits on every repeat."""
+    x, w, _, dy = _inputs(m, n, dtype)
+    w = w if weight else None
+    plan, (dx, dw, db) = _path_backward("auto", kind, x, w, dy)
+    assert plan is not None
+    portable_plan, (dx_p, dw_p, db_p) = _path_backward("portable", kind, x, w, dy)
+    assert portable_plan is None
+    torch.testing.assert_close(dx.float(), dx_p.float(), rtol=1e-2, atol=ATOL[dtype])
+    if weight:
+        torch.testing.assert_close(dw, dw_p, rtol=1e-4, atol=1e-3)
+    if kind == "layer":
+        torch.testing.assert_close(db, db_p, rtol=1e-4, atol=1e-3)
+    for _ in range(5):
+        again = _path_backward("auto", kind, x, w, dy)[1]
+        for first, later in zip((dx, dw, db), again, strict=True):
+            assert torch.equal(first, later)
+    xr = x.detach().double().requires_grad_(True)
+    wr = None if w is None else w.detach().double().requires_grad_(True)
+    y = F.layer_norm(xr, (n,), wr, None, 1e-5) if kind == "layer" else F.rms_norm(xr, (n,), wr, 1e-5)
+    want = torch.autograd.grad(y, xr, dy.double())[0]
+    assert (dx.double() - want).abs().max() <= 2 * (dx_p.double() - want).abs().max() + 1e-3
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_chunked_forward_with_persistent_programs(kind):
     """The chunked forward at a small width: rows over several chunks (the last one partial), fewer
@@ -674,12 +732,13 @@ def test_split_row_backward_exchange_equals_two_launches_on_every_repeat(kind, n
     fn = (lambda t, *p: layer_norm(t, n, *p)) if kind == "layer" else (lambda t, *p: rms_norm(t, n, *p))
     params = [w, b] if kind == "layer" else [w]
     assert configs.wide_backward(m, n, torch.cuda.get_device_properties(0).multi_processor_count)[2]
-    with configs.override(wide_exchange=False):
-        expected = _run(fn, x, params, dy)
-    for _ in range(30):
-        got = _run(fn, x, params, dy)
-        for name, a, e in zip(("y", "dx", "dw", "db"), got, expected, strict=False):
-            assert torch.equal(a, e), name
+    with configs.forced_path("portable"):  # the portable kernel's exchange (the Hopper one has its own test)
+        with configs.override(wide_exchange=False):
+            expected = _run(fn, x, params, dy)
+        for _ in range(30):
+            got = _run(fn, x, params, dy)
+            for name, a, e in zip(("y", "dx", "dw", "db"), got, expected, strict=False):
+                assert torch.equal(a, e), name
 
 
 def test_fused_add_dropout_norm_gradient_of_y_alone_and_inference():

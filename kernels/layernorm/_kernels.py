@@ -663,7 +663,7 @@ def _layer_norm_bwd_split_row_kernel(
                     x, dy, tile, block, w, dw_acc, db_acc, dx_ptr, mean_ptr, rstd_ptr, terms_ptr, arrivals_ptr,
                     dres_ptr, dr_ptr, k0, k1, thr, scale, M, N, stride_dx_row, cols, col_mask, IS_RMS, HAS_WEIGHT,
                     NEED_DB, BLOCK_M, BLOCK_N, COL_BLOCKS, SHARES, False, HAS_DRES, STORE_DR, DROPOUT, CHUNK_COLUMNS)
-    if PHASE != 1:
+    if PHASE != 1 and (HAS_WEIGHT or NEED_DB):  # RMSNorm without a weight has no partial buffer
         slot = partial_ptr + lane.to(tl.int64) * 2 * N + cols
         if HAS_WEIGHT:
             tl.store(slot, dw_acc, mask=col_mask)

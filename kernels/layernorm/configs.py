@@ -20,7 +20,8 @@ decision with its reason. The measurements behind them are in the family's ``TUN
   buffer per program with ``deterministic=True``); a second kernel sums the buffers.
 - **backward, wider rows**: programs over (``wide_columns``-column block, lane of ``wide_rows``-row tiles),
   at most ``wide_programs_per_sm * SMs`` in all so that all are resident at once; they exchange the row sums
-  through memory and each lane writes its own buffer (lock-free, deterministic).
+  through memory and each lane writes its own buffer (lock-free, deterministic). On Hopper, 16-bit rows take the
+  same grid with a shared-memory ring of ``hopper_bwd_ring`` rows per program: :func:`hopper_backward`.
 - **residual + dropout + norm forward**: when ``n`` is a power of two and a tile of about
   ``add_dropout_norm_row_tile`` elements is whole dropout chunks (4096 elements), one pass over the tile
   with the mask drawn in its layout (``CHUNK_TILE``); otherwise a flat dropout pass and a norm pass over
@@ -88,6 +89,12 @@ class Settings:
     # while this row's statistics are computed (RMSNorm 65536: 0.94 against 0.93; LayerNorm 0.82 with the
     # spare memory all next-row slots).
     hopper_rms_extra_fraction: float = 0.5
+    # Hopper wide backward (the split-row exchange with rows copied into a shared-memory ring, 16-bit x and dy):
+    # slots per program, and rows by which publishing a row's shares runs ahead of finishing one (< ring). H100,
+    # M * N = 2^27, N 16384-65536: ring 4 / ahead 2 0.76-0.82 of copy, ring 6 / ahead 2-4 the same within 0.01,
+    # ring 6 / ahead 5 (one row of copies in flight) 0.67-0.76.
+    hopper_bwd_ring: int = 4
+    hopper_bwd_publish_ahead: int = 2
     # Fused residual + dropout + norm forward: elements per program. Its first pass walks whole dropout
     # chunks (4096 elements, one Philox call per four); a program draws the chunks cut by its ends in full,
     # so larger tiles waste a smaller share of Philox work.
@@ -280,6 +287,22 @@ def hopper_forward(n: int, x_bytes: int, w_bytes: int, b_bytes: int, is_rms: boo
             "RESIDENT": resident, "num_warps": s.hopper_warps}
 
 
+def hopper_backward(n: int, x_bytes: int, dy_bytes: int) -> dict | None:
+    """Launch parameters of the Hopper split-row backward (``kernels/layernorm/_hopper.py``) for rows of ``n`` of the
+    wide path, with the grid of :func:`wide_backward`, or None where it does not apply (32-bit x or dy, widths not a
+    multiple of 16 bytes, a ring that would not fit ``wide_programs_per_sm`` programs' shared memory)."""
+    s = _active
+    if type(n) is not int or fused_backward(n) or x_bytes != 2 or dy_bytes != 2 or n % 8:
+        return None
+    per_slot = s.wide_columns * (x_bytes + dy_bytes)
+    ring = min(s.hopper_bwd_ring, (s.hopper_shared_bytes // s.wide_programs_per_sm) // per_slot)
+    if ring < 2:
+        return None
+    col_blocks = cdiv(n, s.wide_columns)
+    return {"BLOCK_N": s.wide_columns, "COL_BLOCKS": col_blocks, "SHARES": next_pow2(col_blocks), "VEC": 8,
+            "RING": ring, "PUBLISH_AHEAD": min(s.hopper_bwd_publish_ahead, ring - 1), "num_warps": s.wide_warps}
+
+
 def fused_backward(n) -> bool:
     """Whether rows of ``n`` take the single-kernel backward (else the wide, column-blocked one)."""
     return n <= _active.max_fused_bwd
@@ -379,4 +402,9 @@ def table(m: int = 4096, sms: int = 132, l2_bytes: int = 50 * 2**20, elt_size: i
         lines.append(f"{'':>7} {n:>6}  " + "; ".join(
             f"{name}: {p['CHUNKS']} x {p['CHUNK']}, {p['EXTRA']} extra, {p['RESIDENT']} resident, {p['num_warps']}w"
             for name, p in zip(("LayerNorm", "RMSNorm"), plans, strict=True) if p is not None))
+    bwd = hopper_backward(16384, elt_size, elt_size)
+    if bwd is not None:
+        lines.append(f"sm_90, eager, 16-bit x and dy, rows over {_active.max_fused_bwd}: the split-row backward with a "
+                     f"ring of {bwd['RING']} rows, shares published {bwd['PUBLISH_AHEAD']} rows ahead, "
+                     f"{bwd['num_warps']}w")
     return "\n".join(lines)

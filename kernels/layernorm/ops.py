@@ -181,6 +181,18 @@ def _hopper_forward_plan(x, weight, bias, n, stride_x, is_rms) -> dict | None:
     return plan
 
 
+def _hopper_backward_plan(x, dy, n, stride_x, stride_dy) -> dict | None:
+    """Launch parameters of the Hopper wide-row backward for this call, or None for the portable split-row kernel:
+    an sm_90 GPU unless ``FUSED_KERNELS_LAYERNORM_PATH=portable``, 16-bit x and dy whose copies are 16-byte aligned
+    (addresses and row strides), no residual, dropout or second output (the fused op's backward)."""
+    plan = configs.hopper_backward(n, x.element_size(), dy.element_size())
+    if plan is None or not is_hopper(x.device) or configs.path() == "portable":
+        return None
+    if stride_x % 8 or stride_dy % 8 or x.data_ptr() % 16 or dy.data_ptr() % 16:
+        return None
+    return plan
+
+
 def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *, n=None, grad_dtypes=None,
                    bias_shape=None, dx_dtype=None, fused=None, traceable=False):
     """``(dx, dw, db)`` for rows of ``n`` (default: the last dim); ``dx`` has ``x``'s shape and dtype (or
@@ -255,8 +267,20 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         # Two launches under the interpreter (it runs one program at a time: no waiting) and with dropout,
         # whose Philox work lengthens the wait between the programs more than a second read costs.
         exchange = exchange and not INTERPRETER and dropout_p == 0
+        hopper = None if not exchange or fused is not None or traceable else _hopper_backward_plan(
+            x, dy, n, stride_x, stride_dy)
         slots = lanes
         partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
+        if hopper is not None:
+            packed_terms = torch.full((m, col_blocks), -1, device=x.device, dtype=torch.int64)
+            kernel_for(_hopper._norm_bwd_split_row_kernel, traceable=False)[(col_blocks, lanes)](
+                x, dy, dx, _or_unused(weight, x, False), _or_unused(None if is_rms else mean, x, False), rstd,
+                packed_terms, _or_unused(partial, x, False), m, n // 8, stride_x // 8, stride_dy // 8, IS_RMS=is_rms,
+                HAS_WEIGHT=need_dw, NEED_DB=need_db, launch_cooperative_grid=True, **hopper,
+            )
+            if need_partial:
+                _launch_dwdb(partial, dw, db, need_dw, need_db, slots, n, x, traceable)
+            return dx, dw, db
         terms = torch.empty((2, m, col_blocks), device=x.device, dtype=torch.float32)
         arrivals = torch.zeros(cdiv(m, wide_cfg["BLOCK_M"]), device=x.device, dtype=torch.int32) if exchange else None
         args = (x, dy, dx, _or_unused(weight, x, traceable), _or_unused(None if is_rms else mean, x, traceable), rstd,
