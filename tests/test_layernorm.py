@@ -371,14 +371,45 @@ def _path_forward(path, kind, x, w, b):
         return plan, y, mean, rstd
 
 
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize(("w_bytes", "b_bytes"), [(0, 0), (2, 0), (2, 2), (4, 4), (4, 2)], ids=str)
+def test_hopper_split_forward_plan_fits_its_programs_shared_memory(is_rms, w_bytes, b_bytes):
+    """The split-row forward takes exactly the LayerNorm rows the shared-memory-row kernel would (RMSNorm only when
+    asked), with column blocks covering the row and as many programs per SM as their ring and resident w and b fit."""
+    from kernels.layernorm import configs
+
+    s = configs.SETTINGS
+    for n in [32768, 32776, 40000, 65536, 100000, 114688, 114696]:
+        base = configs.hopper_forward(n, 2, w_bytes, b_bytes, is_rms)
+        split = configs.hopper_split_forward(n, 2, w_bytes, b_bytes, is_rms)
+        assert split is None if is_rms or base is None else split is not None, n
+        with configs.override(hopper_split_rms_norm=True):
+            forced = configs.hopper_split_forward(n, 2, w_bytes, b_bytes, is_rms)
+        assert (forced is None) == (base is None), n
+        if forced is None:
+            continue
+        plan, per_sm = forced
+        assert plan["COL_BLOCKS"] == -(-n // plan["BLOCK_N"]) and plan["SHARES"] >= plan["COL_BLOCKS"]
+        assert 0 < plan["PUBLISH_AHEAD"] < plan["RING"]
+        shared = plan["BLOCK_N"] * (plan["RING"] * 2 + w_bytes + b_bytes)
+        assert 1 <= per_sm <= s.hopper_split_programs_per_sm and per_sm * shared <= s.hopper_shared_bytes, (n, plan)
+        assert per_sm == s.hopper_split_programs_per_sm or (per_sm + 1) * shared > s.hopper_shared_bytes
+        assert per_sm * 132 // plan["COL_BLOCKS"] >= 1  # at least one lane on an H100
+
+
 @needs_hopper
+@pytest.mark.parametrize("kernel", ["split", "shared"])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n", [32776, 40000, 65536, 114688], ids=str)
 @pytest.mark.parametrize("affine", ["w+b", "w", "none", "fp32 w+b", "row-strided"])
-def test_hopper_forward_equals_the_portable_forward(kind, dtype, n, affine):
-    """The shared-memory-row forward on every slot layout it takes (a partial last chunk, one row plus extra slots,
-    resident w and b or none), more rows than programs, against the portable chunked path and float64."""
+def test_hopper_forward_equals_the_portable_forward(kernel, kind, dtype, n, affine):
+    """Both Hopper forwards (the split-row kernel, LayerNorm's default, and the shared-memory-row kernel, RMSNorm's;
+    each forced for the other kind too) on every layout they take (a partial last chunk or column block, one row plus
+    extra slots, resident w and b or none, fp32 w and b: one split program per SM), more rows than programs, against
+    the portable chunked path and float64; a second call gives the same bits."""
+    from kernels.layernorm import configs
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     m = 2 * sms + 3
     x, w, b, _ = _inputs(m, n, dtype, affine_dtype=torch.float32 if affine == "fp32 w+b" else None,
@@ -387,8 +418,13 @@ def test_hopper_forward_equals_the_portable_forward(kind, dtype, n, affine):
         w = None
     if affine == "row-strided":
         x = torch.randn(m, n + 64, device=DEVICE).to(dtype)[:, :n]
-    plan, y, mean, rstd = _path_forward("auto", kind, x, w, b)
+    split = kernel == "split"
+    with configs.override(hopper_split_layer_norm=split, hopper_split_rms_norm=split):
+        plan, y, mean, rstd = _path_forward("auto", kind, x, w, b)
+        _, y_again, mean_again, rstd_again = _path_forward("auto", kind, x, w, b)
     assert plan is not None
+    assert plan[0] is (ops._hopper._norm_fwd_split_row_kernel if split else ops._hopper._norm_fwd_shared_row_kernel)
+    assert torch.equal(y, y_again) and torch.equal(rstd, rstd_again) and torch.equal(mean, mean_again)
     portable_plan, y_portable, mean_portable, rstd_portable = _path_forward("portable", kind, x, w, b)
     assert portable_plan is None
     torch.testing.assert_close(rstd, rstd_portable, rtol=1e-5, atol=0)

@@ -1,5 +1,6 @@
 """LayerNorm / RMSNorm of wide rows for Hopper (sm_90) in Gluon: a forward that reads each row from HBM once and holds
-it in shared memory, and a split-row backward whose rows stream through a shared-memory ring (at the end).
+it in shared memory (RMSNorm's), a forward that splits each row by columns (LayerNorm's, after the backward), and a
+split-row backward whose rows stream through a shared-memory ring.
 
 Implements the forward of ``_layer_norm_fwd_kernel`` (``kernels/layernorm/_kernels.py``, read beside
 ``reference/layernorm.py``) for rows too wide for registers: y, the fp32 mean (LayerNorm) and 1/std of each row.
@@ -31,7 +32,20 @@ readable version and the one every other device and the interpreter run.
 
 Trade-off: one program per SM (a 128 KB row leaves no room for a second), so the gaps of its schedule (the
 statistics' reductions, the barriers at each chunk, w and b on the critical path of the last pass) are not covered
-by another program's work: LayerNorm with w and b at 65536 reaches 0.84-0.85 of copy, RMSNorm 0.93-0.95.
+by another program's work: LayerNorm with w and b at 65536 reaches 0.84-0.85 of copy, RMSNorm 0.93-0.95. LayerNorm
+therefore takes the split forward below; RMSNorm, whose spare shared memory holds extra ring slots, stays here.
+
+Split forward (``_norm_fwd_split_row_kernel``, the same rows): the backward's grid turned to the forward. Program
+(column block of ``BLOCK_N``, lane) takes rows ``lane, lane + lanes, ...`` of its columns through a ring of ``RING``
+shared-memory slots, keeps its columns' w and b in shared memory for all its rows (so nothing but x crosses L2 once,
+where the row-per-program kernel reads the w and b that do not fit from L2 for every row), and publishes its share of
+a row's statistics ``PUBLISH_AHEAD`` rows before it normalises that row: LayerNorm the block's mean and sum of
+squared deviations, packed into one relaxed 64-bit exchange as the backward's sums (``_publish_stats``); every
+program merges the blocks' shares in the same order (Chan et al.), so all of a row's blocks normalise with the same
+mean and rstd, and block 0 stores them. Limits: those of the kernel above, and all programs resident at once (a
+cooperative launch; two per SM when the ring and w and b fit, else one). Trade-off: a row's statistics wait for its
+slowest block, hidden by publishing ahead; H100, bf16, M·N = 2^27: LayerNorm 1.03x / 1.09x / 1.16x the kernel above at
+N 40000 / 65536 / 100000 (0.90 of copy at 65536), RMSNorm 0.94x / 1.04x / 0.94x (not taken).
 
 Backward (``_norm_bwd_split_row_kernel``, rows over 8192): the portable split-row kernel's grid and arithmetic (a
 program per 4096-column block and lane of rows; the row sums of g and g * xhat exchanged between the blocks of a
@@ -47,7 +61,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-__all__ = ["_norm_bwd_split_row_kernel", "_norm_fwd_shared_row_kernel"]
+__all__ = ["_norm_bwd_split_row_kernel", "_norm_fwd_shared_row_kernel", "_norm_fwd_split_row_kernel"]
 
 
 @gluon.jit
@@ -248,14 +262,29 @@ def _row_values(x_slot, dy_slot, w, mean_ptr, rstd_ptr, row, cols, N, layout: gl
 
 
 @gluon.jit
+def _post_pair(slot_ptr, lo, hi):
+    """Write two fp32 scalars into an int64 slot as one relaxed 64-bit exchange, so the value is its own flag (no
+    fence, no count). The slot holds all ones until then, a pattern no fp32 arithmetic produces (NaN results are
+    0x7FFFFFFF)."""
+    packed = (hi.to(gl.uint32, bitcast=True).to(gl.uint64) << 32) | lo.to(gl.uint32, bitcast=True).to(gl.uint64)
+    gl.atomic_xchg(slot_ptr, packed.to(gl.int64, bitcast=True), sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _await_pairs(slots_ptr, pairs, mask):
+    """``(lo, hi)`` fp32 of every slot of ``slots_ptr`` under ``mask``, ``pairs`` being a first volatile read of them
+    (issued early, so that its latency overlaps other work): read again until none holds all ones (``_post_pair``)."""
+    while gl.sum((pairs == -1).to(gl.int32), axis=0) > 0:  # a block has not published yet
+        pairs = gl.load(slots_ptr, mask=mask, other=0, volatile=True)
+    lo = (pairs & 0xFFFFFFFF).to(gl.uint32).to(gl.float32, bitcast=True)
+    hi = (pairs >> 32).to(gl.uint32).to(gl.float32, bitcast=True)
+    return lo, hi
+
+
+@gluon.jit
 def _publish(terms_ptr, row, block, g, xhat, COL_BLOCKS: gl.constexpr):
-    """Publish this column block's share of row ``row``'s sums of g and g * xhat: both fp32 words in one relaxed
-    64-bit exchange, so the value is its own flag (no fence, no count). The slot holds all ones until then, a pattern
-    no fp32 arithmetic produces (NaN results are 0x7FFFFFFF)."""
-    lo = gl.sum(g, axis=0).to(gl.uint32, bitcast=True).to(gl.uint64)
-    hi = gl.sum(g * xhat, axis=0).to(gl.uint32, bitcast=True).to(gl.uint64)
-    gl.atomic_xchg(terms_ptr + row * COL_BLOCKS + block, ((hi << 32) | lo).to(gl.int64, bitcast=True), sem="relaxed",
-                   scope="gpu")
+    """Publish this column block's share of row ``row``'s sums of g and g * xhat (``_post_pair``)."""
+    _post_pair(terms_ptr + row * COL_BLOCKS + block, gl.sum(g, axis=0), gl.sum(g * xhat, axis=0))
 
 
 @gluon.jit
@@ -341,10 +370,7 @@ def _norm_bwd_split_row_kernel(
             dw_acc += dy * xhat
         if NEED_DB:
             db_acc += dy
-        while gl.sum((shares == -1).to(gl.int32), axis=0) > 0:  # a block has not published yet
-            shares = gl.load(shares_ptr, mask=share_mask, other=0, volatile=True)
-        sum_g = (shares & 0xFFFFFFFF).to(gl.uint32).to(gl.float32, bitcast=True)
-        sum_gx = (shares >> 32).to(gl.uint32).to(gl.float32, bitcast=True)
+        sum_g, sum_gx = _await_pairs(shares_ptr, shares, share_mask)
         c2 = gl.div_rn(gl.sum(sum_gx, axis=0), N * 1.0)
         if IS_RMS:
             dx = (g - xhat * c2) * rstd
@@ -360,3 +386,123 @@ def _norm_bwd_split_row_kernel(
             gl.store(partial, dw_acc, mask=col_mask)
         if NEED_DB:
             gl.store(partial + N, db_acc, mask=col_mask)
+
+
+@gluon.jit
+def _publish_stats(stats_ptr, row, block, x, cols, N, BLOCK_N: gl.constexpr, COL_BLOCKS: gl.constexpr,
+                   IS_RMS: gl.constexpr):
+    """Publish this column block's share of row ``row``'s statistics (``_post_pair``): RMSNorm its sum of squares;
+    LayerNorm its mean and the sum of squared deviations from it (both over the block's own columns, two passes over
+    registers)."""
+    mask = cols < N
+    if IS_RMS:
+        lo = gl.sum(x * x, axis=0)
+        hi = lo * 0.0
+    else:
+        count = gl.minimum(N - block * BLOCK_N, BLOCK_N) * 1.0
+        lo = gl.div_rn(gl.sum(x, axis=0), count)
+        centered = gl.where(mask, x - lo, 0.0)
+        hi = gl.sum(centered * centered, axis=0)
+    _post_pair(stats_ptr + row * COL_BLOCKS + block, lo, hi)
+
+
+@gluon.jit
+def _norm_fwd_split_row_kernel(
+    x_ptr,  # (M, N) input, row stride x_row_vecs * VEC, unit column stride
+    y_ptr,  # (M, N) output, contiguous
+    w_ptr,  # (N,) weight or a dummy when HAS_WEIGHT is False
+    b_ptr,  # (N,) bias or a dummy when HAS_BIAS is False
+    mean_ptr,  # (M,) fp32 mean (not written for RMSNorm)
+    rstd_ptr,  # (M,) fp32 1/std
+    stats_ptr,  # (M, COL_BLOCKS) int64, all ones on entry: each block's share of the row statistics (_publish_stats)
+    M,
+    N_VECS,  # N // VEC and the row stride in VECs
+    x_row_vecs,
+    eps,
+    IS_RMS: gl.constexpr,
+    HAS_WEIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BLOCK_N: gl.constexpr,  # columns per program
+    COL_BLOCKS: gl.constexpr,  # cdiv(N, BLOCK_N), the grid's first axis
+    SHARES: gl.constexpr,  # COL_BLOCKS rounded up to a power of two
+    VEC: gl.constexpr,  # elements per 16-byte copy
+    RING: gl.constexpr,  # shared-memory slots of column blocks per program
+    PUBLISH_AHEAD: gl.constexpr,  # rows by which publishing runs ahead of normalising (< RING)
+):
+    """Wide rows split by columns, as the split-row backward: program (column block, lane) takes rows ``lane,
+    lane + lanes, ...`` of its columns through a ring of ``RING`` shared-memory slots, publishes its share of a row's
+    statistics ``PUBLISH_AHEAD`` rows before it normalises that row, and keeps its columns' w and b in shared memory
+    for all its rows. All programs must be resident at once (cooperative launch)."""
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    N = N_VECS * VEC
+    stride_x_row = x_row_vecs.to(gl.int64) * VEC
+    block = gl.program_id(0)
+    lane = gl.program_id(1)
+    lanes = gl.num_programs(1)
+    cols = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+    col_mask = cols < N
+    slots = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [RING, BLOCK_N], flat)
+    if HAS_WEIGHT:
+        w_res = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [BLOCK_N], flat)
+        async_copy.async_copy_global_to_shared(w_res, w_ptr + cols, mask=col_mask)
+    if HAS_BIAS:
+        b_res = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [BLOCK_N], flat)
+        async_copy.async_copy_global_to_shared(b_res, b_ptr + cols, mask=col_mask)
+    async_copy.commit_group()  # one group older than the first row's
+    share_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    share = gl.arange(0, SHARES, layout=share_layout)
+    share_mask = share < COL_BLOCKS
+    # counts of the blocks' columns, for merging their shares
+    counts = gl.minimum(N - share * BLOCK_N, BLOCK_N).to(gl.float32)
+
+    # Row k of this program is lane + k * lanes, its copy commit group k.
+    for k in gl.static_range(RING):
+        row = lane + k * lanes
+        async_copy.async_copy_global_to_shared(slots.index(k), x_ptr + row * stride_x_row + cols,
+                                               mask=col_mask & (row < M))
+        async_copy.commit_group()
+    for k in gl.static_range(PUBLISH_AHEAD):
+        row = lane + k * lanes
+        async_copy.wait_group(RING - 1 - k)
+        if row < M:
+            x = slots.index(k).load(layout).to(gl.float32)
+            _publish_stats(stats_ptr, row, block, x, cols, N, BLOCK_N, COL_BLOCKS, IS_RMS)
+
+    for row in range(lane, M, lanes):
+        step = (row - lane) // lanes
+        shares_ptr = stats_ptr + row * COL_BLOCKS + share
+        shares = gl.load(shares_ptr, mask=share_mask, other=0, volatile=True)  # in flight while the rest runs
+
+        ahead = row + PUBLISH_AHEAD * lanes
+        async_copy.wait_group(RING - 1 - PUBLISH_AHEAD)
+        if ahead < M:
+            x = slots.index((step + PUBLISH_AHEAD) % RING).load(layout).to(gl.float32)
+            _publish_stats(stats_ptr, ahead, block, x, cols, N, BLOCK_N, COL_BLOCKS, IS_RMS)
+
+        lo, hi = _await_pairs(shares_ptr, shares, share_mask)
+        if IS_RMS:
+            mean = 0.0
+            rstd = 1.0 / gl.sqrt(gl.div_rn(gl.sum(gl.where(share_mask, lo, 0.0), axis=0), N * 1.0) + eps)
+        else:
+            # the blocks' (count, mean, m2) merged (Chan et al.): m2 = sum m2_i + sum count_i (mean_i - mean)^2
+            mean = gl.div_rn(gl.sum(gl.where(share_mask, counts * lo, 0.0), axis=0), N * 1.0)
+            spread = lo - mean
+            m2 = gl.sum(gl.where(share_mask, gl.fma(counts * spread, spread, hi), 0.0), axis=0)
+            rstd = 1.0 / gl.sqrt(gl.div_rn(m2, N * 1.0) + eps)
+            if block == 0:
+                gl.store(mean_ptr + row, mean)
+        if block == 0:
+            gl.store(rstd_ptr + row, rstd)
+
+        slot = slots.index(step % RING)
+        y = (slot.load(layout).to(gl.float32) - mean) * rstd  # the portable kernel's roundings, in its order
+        if HAS_WEIGHT:
+            y = y * w_res.load(layout).to(gl.float32)
+        if HAS_BIAS:
+            y = y + b_res.load(layout).to(gl.float32)
+        gl.store(y_ptr + row.to(gl.int64) * N + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
+        refill = row + RING * lanes
+        async_copy.async_copy_global_to_shared(slot, x_ptr + refill * stride_x_row + cols,
+                                               mask=col_mask & (refill < M))
+        async_copy.commit_group()

@@ -89,6 +89,19 @@ class Settings:
     # while this row's statistics are computed (RMSNorm 65536: 0.94 against 0.93; LayerNorm 0.82 with the
     # spare memory all next-row slots).
     hopper_rms_extra_fraction: float = 0.5
+    # Hopper forward of the same LayerNorm rows split by columns (_norm_fwd_split_row_kernel): programs of
+    # hopper_split_columns columns exchange their shares of each row's statistics, so every program holds its
+    # columns' w and b in shared memory and nothing is read twice (H100, bf16, M * N = 2^27, against the kernel
+    # above: N 40000 1.03x, 65536 1.09x, 100000 1.16x with 8192 columns, 8 warps, two programs per SM, a ring of
+    # 4 rows published 2 ahead; 16384 columns, one 16-warp program per SM: 0.95x, 1.06x, 1.09x). RMSNorm stays on the
+    # kernel above (0.94x at 40000 and 100000, 1.04x at 65536: its extra ring slots already hide the reductions).
+    hopper_split_layer_norm: bool = True
+    hopper_split_rms_norm: bool = False
+    hopper_split_columns: int = 8192
+    hopper_split_warps: int = 8
+    hopper_split_ring: int = 4
+    hopper_split_publish_ahead: int = 2
+    hopper_split_programs_per_sm: int = 2
     # Hopper wide backward (the split-row exchange with rows copied into a shared-memory ring, 16-bit x and dy):
     # slots per program, and rows by which publishing a row's shares runs ahead of finishing one (< ring). H100,
     # M * N = 2^27, N 16384-65536: ring 4 / ahead 2 0.76-0.82 of copy, ring 6 / ahead 2-4 the same within 0.01,
@@ -287,6 +300,25 @@ def hopper_forward(n: int, x_bytes: int, w_bytes: int, b_bytes: int, is_rms: boo
             "RESIDENT": resident, "num_warps": s.hopper_warps}
 
 
+def hopper_split_forward(n: int, x_bytes: int, w_bytes: int, b_bytes: int, is_rms: bool) -> tuple[dict, int] | None:
+    """``(launch parameters, programs per SM)`` of the Hopper split-row forward for LayerNorm rows of ``n`` that
+    :func:`hopper_forward` takes (and RMSNorm rows with ``hopper_split_rms_norm``), or None where the
+    shared-memory-row kernel runs them. The grid is column blocks x lanes, every program resident at once:
+    lanes = programs per SM x SMs // column blocks, at most the row count."""
+    s = _active
+    if not (s.hopper_split_rms_norm if is_rms else s.hopper_split_layer_norm):
+        return None
+    if hopper_forward(n, x_bytes, w_bytes, b_bytes, is_rms) is None:
+        return None
+    columns = s.hopper_split_columns
+    col_blocks = cdiv(n, columns)
+    per_program = columns * (s.hopper_split_ring * x_bytes + w_bytes + b_bytes)
+    per_sm = min(s.hopper_split_programs_per_sm, s.hopper_shared_bytes // per_program)
+    return {"BLOCK_N": columns, "COL_BLOCKS": col_blocks, "SHARES": next_pow2(col_blocks), "VEC": 16 // x_bytes,
+            "RING": s.hopper_split_ring, "PUBLISH_AHEAD": min(s.hopper_split_publish_ahead, s.hopper_split_ring - 1),
+            "num_warps": s.hopper_split_warps}, per_sm
+
+
 def hopper_backward(n: int, x_bytes: int, dy_bytes: int) -> dict | None:
     """Launch parameters of the Hopper split-row backward (``kernels/layernorm/_hopper.py``) for rows of ``n`` of the
     wide path, with the grid of :func:`wide_backward`, or None where it does not apply (32-bit x or dy, widths not a
@@ -395,13 +427,21 @@ def table(m: int = 4096, sms: int = 132, l2_bytes: int = 50 * 2**20, elt_size: i
                        f"{w['maxnreg']} registers"
                        + ("" if exchange else ", two launches"))
             lines.append(f"{rows:>7} {n:>6}  {fwd:<58} {bwd}")
-    lines.append("sm_90, eager, 16-bit rows, w and b in x's dtype: the shared-memory forward (slots of CHUNK, "
-                 "extra ring slots, chunks with w and b resident)")
+    lines.append("sm_90, eager, 16-bit rows, w and b in x's dtype: LayerNorm split by columns (blocks x lanes, "
+                 "ring of rows); RMSNorm the shared-memory forward (slots of CHUNK, extra ring slots, chunks with w "
+                 "resident)")
     for n in (40000, 65536, 100000):
-        plans = [hopper_forward(n, elt_size, elt_size, 0 if rms else elt_size, rms) for rms in (False, True)]
-        lines.append(f"{'':>7} {n:>6}  " + "; ".join(
-            f"{name}: {p['CHUNKS']} x {p['CHUNK']}, {p['EXTRA']} extra, {p['RESIDENT']} resident, {p['num_warps']}w"
-            for name, p in zip(("LayerNorm", "RMSNorm"), plans, strict=True) if p is not None))
+        split = hopper_split_forward(n, elt_size, elt_size, elt_size, False)
+        rms = hopper_forward(n, elt_size, elt_size, 0, True)
+        parts = []
+        if split is not None:
+            p, per_sm = split
+            parts.append(f"LayerNorm: {p['COL_BLOCKS']} x {p['BLOCK_N']} columns x {per_sm * sms // p['COL_BLOCKS']} "
+                         f"lanes, ring {p['RING']}, published {p['PUBLISH_AHEAD']} ahead, {p['num_warps']}w")
+        if rms is not None:
+            parts.append(f"RMSNorm: {rms['CHUNKS']} x {rms['CHUNK']}, {rms['EXTRA']} extra, {rms['RESIDENT']} "
+                         f"resident, {rms['num_warps']}w")
+        lines.append(f"{'':>7} {n:>6}  " + "; ".join(parts))
     bwd = hopper_backward(16384, elt_size, elt_size)
     if bwd is not None:
         lines.append(f"sm_90, eager, 16-bit x and dy, rows over {_active.max_fused_bwd}: the split-row backward with a "

@@ -140,16 +140,29 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, tracea
         return y, mean, rstd
 
     hopper = None if traceable else _hopper_forward_plan(x, weight, bias, n, stride_x, is_rms)
+    split = hopper is not None and hopper[0] is _hopper._norm_fwd_split_row_kernel
+    # each column block's share of each row's statistics, all ones until published (see the kernel)
+    stats = torch.full((m, hopper[1]["COL_BLOCKS"]), -1, device=x.device, dtype=torch.int64) if split else None
 
     def launch():
         device_index = x.device.index or 0
+        if split:
+            _, plan, per_sm = hopper
+            lanes = min(m, per_sm * multiprocessor_count(device_index) // plan["COL_BLOCKS"])
+            kernel_for(_hopper._norm_fwd_split_row_kernel, traceable=False)[(plan["COL_BLOCKS"], lanes)](
+                x, y, _or_unused(weight, x, False), _or_unused(bias, x, False), _or_unused(mean, x, False), rstd,
+                stats, m, n // plan["VEC"], stride_x // plan["VEC"], eps, IS_RMS=is_rms,
+                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, launch_cooperative_grid=True, **plan,
+            )
+            return
         if hopper is not None:
+            plan = hopper[1]
             grid = (min(m, multiprocessor_count(device_index)),)
             kernel_for(_hopper._norm_fwd_shared_row_kernel, traceable=False)[grid](
                 x, y, _or_unused(weight, x, False), _or_unused(bias, x, False),
-                _or_unused(None if is_rms else mean, x, False), rstd, m, n // hopper["VEC"], stride_x // hopper["VEC"],
-                n // hopper["VEC"], eps, IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                **hopper,
+                _or_unused(None if is_rms else mean, x, False), rstd, m, n // plan["VEC"], stride_x // plan["VEC"],
+                n // plan["VEC"], eps, IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                **plan,
             )
             return
         cfg = configs.forward(n)
@@ -163,22 +176,28 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, tracea
 
     signature = None if not _eager(traceable) else (
         x.shape, stride_x, n, x.dtype, y.dtype, x.device.index, None if weight is None else weight.dtype,
-        None if bias is None else bias.dtype, eps, is_rms, hopper is not None)
-    launch_or_replay(_NORM_FORWARD_CALLS, signature, (x, y, weight, bias, mean, rstd), launch)
+        None if bias is None else bias.dtype, eps, is_rms, hopper is not None, split)
+    launch_or_replay(_NORM_FORWARD_CALLS, signature, (x, y, weight, bias, mean, rstd, stats), launch)
     return y, mean, rstd
 
 
-def _hopper_forward_plan(x, weight, bias, n, stride_x, is_rms) -> dict | None:
-    """Launch parameters of the Hopper forward (``kernels/layernorm/_hopper.py``) for this eager call, or None
-    for the portable kernel: rows wider than the register path's (``configs.hopper_forward``) on an sm_90 GPU,
-    unless ``FUSED_KERNELS_LAYERNORM_PATH=portable``, with every copy 16-byte aligned (x, its row stride, w and b)."""
-    plan = configs.hopper_forward(n, x.element_size(), 0 if weight is None else weight.element_size(),
-                                  0 if bias is None else bias.element_size(), is_rms)
+def _hopper_forward_plan(x, weight, bias, n, stride_x, is_rms) -> tuple | None:
+    """``(kernel, launch parameters, programs per SM)`` of the Hopper forward (``kernels/layernorm/_hopper.py``) for
+    this eager call, or None for the portable kernel: rows wider than the register path's (``configs.hopper_forward``)
+    on an sm_90 GPU, unless ``FUSED_KERNELS_LAYERNORM_PATH=portable``, with every copy 16-byte aligned (x, its row
+    stride, w and b). LayerNorm rows take the split-row kernel (``configs.hopper_split_forward``), RMSNorm rows the
+    shared-memory-row kernel."""
+    w_bytes = 0 if weight is None else weight.element_size()
+    b_bytes = 0 if bias is None else bias.element_size()
+    plan = configs.hopper_forward(n, x.element_size(), w_bytes, b_bytes, is_rms)
     if plan is None or not is_hopper(x.device) or configs.path() == "portable":
         return None
     if (stride_x * x.element_size()) % 16 or any(t is not None and t.data_ptr() % 16 for t in (x, weight, bias)):
         return None
-    return plan
+    split = configs.hopper_split_forward(n, x.element_size(), w_bytes, b_bytes, is_rms)
+    if split is not None:
+        return _hopper._norm_fwd_split_row_kernel, *split
+    return _hopper._norm_fwd_shared_row_kernel, plan, 1
 
 
 def _hopper_backward_plan(x, dy, n, stride_x, stride_dy) -> dict | None:
