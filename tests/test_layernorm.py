@@ -476,6 +476,9 @@ def test_hopper_backward_plan_fits_the_wide_paths_programs():
         assert plan["COL_BLOCKS"] == -(-n // plan["BLOCK_N"]) and 0 < plan["PUBLISH_AHEAD"] < plan["RING"]
         assert s.wide_programs_per_sm * plan["RING"] * plan["BLOCK_N"] * 4 <= s.hopper_shared_bytes
         assert configs.hopper_backward(n, 4, 2) is None and configs.hopper_backward(n, 2, 4) is None
+        fused = configs.hopper_backward(n, 2, 2, 2)  # the fused op's residual gradient in the ring too
+        assert s.wide_programs_per_sm * fused["RING"] * fused["BLOCK_N"] * 6 <= s.hopper_shared_bytes
+        assert fused["RING"] >= 2 and configs.hopper_backward(n, 2, 2, 4) is None
 
 
 def _path_backward(path, kind, x, w, dy):
@@ -483,7 +486,7 @@ def _path_backward(path, kind, x, w, dy):
 
     with configs.forced_path(path):
         n = x.shape[-1]
-        plan = ops._hopper_backward_plan(x, dy, n, x.stride(0), dy.stride(0))
+        plan = ops._hopper_backward_plan(x, dy, None, n, x.stride(0), dy.stride(0))
         _, mean, rstd = ops._norm_fwd_impl(x, w, None, 1e-5, kind == "rms")
         grads = ops._norm_bwd_impl(dy, x, w, mean, rstd, kind == "rms", kind == "layer", False)
         return plan, grads
@@ -517,6 +520,38 @@ def test_hopper_wide_backward_equals_the_portable_one_and_repeats_bitwise(kind, 
     y = F.layer_norm(xr, (n,), wr, None, 1e-5) if kind == "layer" else F.rms_norm(xr, (n,), wr, 1e-5)
     want = torch.autograd.grad(y, xr, dy.double())[0]
     assert (dx.double() - want).abs().max() <= 2 * (dx_p.double() - want).abs().max() + 1e-3
+
+
+@needs_hopper
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("m", "n"), [(5, 16384), (700, 20000), (300, 65536)], ids=str)
+@pytest.mark.parametrize("residual_grad", [True, False], ids=["dres", "no dres"])
+def test_hopper_wide_backward_of_the_fused_op_without_dropout(kind, dtype, m, n, residual_grad):
+    """``add_dropout_norm`` at dropout 0 on the wide path: the Hopper split-row backward with the residual stream's
+    gradient in its ring (or none, when residual_out gets no gradient) and dr stored, against the portable kernel
+    (every gradient), and the same bits on a repeat."""
+    from kernels.layernorm import configs
+
+    assert configs.hopper_backward(n, 2, 2, 2) is not None
+    x, res, w, b = _fused_inputs(m, n, kind, dtype, "same")
+    w = w.to(dtype)
+    b = None if b is None else b.to(dtype)
+
+    dy = torch.randn(m, n, device=DEVICE).to(dtype)
+    dr_out = torch.randn(m, n, device=DEVICE).to(dtype)
+
+    def grads(path):
+        with configs.forced_path(path):
+            inputs, (y, r), _ = _fused_and_twin(x, res, w, b, kind, 0.0, True)
+            outs, cotangents = ((y, r), (dy, dr_out)) if residual_grad else ((y,), (dy,))
+            return torch.autograd.grad(outs, [t for t in inputs if t is not None], cotangents)
+
+    hopper, again, portable = grads("auto"), grads("auto"), grads("portable")
+    for name, got, repeat, want in zip(("dx", "dres", "dw", "db"), hopper, again, portable, strict=False):
+        assert torch.equal(got, repeat), name
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=scale * 4 * ATOL[dtype], msg=name)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])

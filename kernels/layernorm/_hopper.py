@@ -51,10 +51,12 @@ Backward (``_norm_bwd_split_row_kernel``, rows over 8192): the portable split-ro
 program per 4096-column block and lane of rows; the row sums of g and g * xhat exchanged between the blocks of a
 row), with rows copied asynchronously into a ring of slots so that a program publishes its share of a row some rows
 before it finishes that row, and a handshake without fences: a block's two sums travel as one relaxed 64-bit
-exchange into a slot that reads all ones until then, and the finishing program polls the row's slots. Limits: 16-bit
-x and dy, widths and row strides multiples of 16 bytes, no residual, dropout or second output (the fused op's
-backward stays portable), all programs resident at once (a cooperative launch, as the portable kernel's). 0.76-0.82
-of copy at N 16384-65536 on the H100, against 0.58-0.65 for the portable kernel.
+exchange into a slot that reads all ones until then, and the finishing program polls the row's slots. It also takes
+the fused residual + norm backward without dropout (``HAS_DRES``, ``STORE_DR``: the residual stream's gradient
+travels in the ring beside x and dy). Limits: 16-bit x, dy and residual gradient, widths and row strides multiples of
+16 bytes, no dropout (the fused op's backward with dropout stays portable), all programs resident at once (a
+cooperative launch, as the portable kernel's). 0.76-0.82 of copy at N 16384-65536 on the H100, against 0.58-0.65 for
+the portable kernel; the fused op's backward at N = 16384 0.91-0.93, against 0.69-0.75.
 """
 
 from triton.experimental import gluon
@@ -233,12 +235,15 @@ def _norm_fwd_shared_row_kernel(
 
 
 @gluon.jit
-def _copy_rows_tile(x_slot, dy_slot, x_ptr, dy_ptr, row, cols, M, N, x_row_vecs, dy_row_vecs, VEC: gl.constexpr):
-    """Issue the copies of row ``row``'s column block (x and dy) into their slots as one commit group (masked off
-    past M and N)."""
+def _copy_rows_tile(x_slot, dy_slot, dres_slot, x_ptr, dy_ptr, dres_ptr, row, cols, M, N, x_row_vecs, dy_row_vecs,
+                    VEC: gl.constexpr, HAS_DRES: gl.constexpr):
+    """Issue the copies of row ``row``'s column block (x and dy, and the contiguous dres with ``HAS_DRES``) into their
+    slots as one commit group (masked off past M and N)."""
     mask = (cols < N) & (row < M)
     async_copy.async_copy_global_to_shared(x_slot, x_ptr + row.to(gl.int64) * x_row_vecs * VEC + cols, mask=mask)
     async_copy.async_copy_global_to_shared(dy_slot, dy_ptr + row.to(gl.int64) * dy_row_vecs * VEC + cols, mask=mask)
+    if HAS_DRES:
+        async_copy.async_copy_global_to_shared(dres_slot, dres_ptr + row.to(gl.int64) * N + cols, mask=mask)
     async_copy.commit_group()
 
 
@@ -297,6 +302,8 @@ def _norm_bwd_split_row_kernel(
     rstd_ptr,  # (M,) fp32
     terms_ptr,  # (M, COL_BLOCKS) int64, all ones on entry: each block's two fp32 row sums, packed (_publish)
     partial_ptr,  # (lanes, 2, N) fp32: one exclusive dW/dB slot per lane
+    dres_ptr,  # (M, N) contiguous gradient reaching x (residual_out) from later blocks (HAS_DRES) or a dummy
+    dr_ptr,  # (M, N) contiguous: the fused op's residual gradient, dx before any dropout (STORE_DR) or a dummy
     M,
     N_VECS,  # N // VEC and the row strides in VECs: the compiler then knows every copy is whole
     x_row_vecs,
@@ -310,13 +317,16 @@ def _norm_bwd_split_row_kernel(
     VEC: gl.constexpr,  # elements per 16-byte copy of x and dy (16-bit)
     RING: gl.constexpr,  # shared-memory slots of (x, dy) column blocks per program
     PUBLISH_AHEAD: gl.constexpr,  # rows by which a program's publishing runs ahead of its finishing (< RING)
+    HAS_DRES: gl.constexpr = False,  # the fused residual + norm backward without dropout: dx += dres ...
+    STORE_DR: gl.constexpr = False,  # ... and dr = dx stored for the residual
 ):
     """Wide rows, the portable ``_layer_norm_bwd_split_row_kernel``'s one-launch exchange with a deeper lookahead and a
     cheaper handshake: program (column block, lane) takes rows ``lane, lane + lanes, ...`` of its columns, copied
     asynchronously into a ring of ``RING`` shared-memory slots. Iteration k reads the shares of row k (a load issued
     first, used last), publishes its own share of row k + PUBLISH_AHEAD, takes row k's dW/dB terms, then waits until
     every block's share of row k is there, writes dx and refills row k's slot with row k + RING. All programs must
-    be resident at once (cooperative launch)."""
+    be resident at once (cooperative launch). With ``HAS_DRES`` the residual stream's gradient travels in the ring
+    beside x and dy, and is added to dx as the portable kernel adds it (``STORE_DR``: stored as dr too)."""
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     N = N_VECS * VEC
@@ -327,6 +337,10 @@ def _norm_bwd_split_row_kernel(
     col_mask = cols < N
     x_slots = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [RING, BLOCK_N], flat)
     dy_slots = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [RING, BLOCK_N], flat)
+    if HAS_DRES:
+        dres_slots = gl.allocate_shared_memory(dres_ptr.dtype.element_ty, [RING, BLOCK_N], flat)
+    else:
+        dres_slots = dy_slots  # never read
     if HAS_WEIGHT:
         w = gl.load(w_ptr + cols, mask=col_mask, other=0.0).to(gl.float32)
     else:
@@ -339,8 +353,8 @@ def _norm_bwd_split_row_kernel(
 
     # Row k of this program is lane + k * lanes, its copies commit group k.
     for k in gl.static_range(RING):
-        _copy_rows_tile(x_slots.index(k), dy_slots.index(k), x_ptr, dy_ptr, lane + k * lanes, cols, M, N, x_row_vecs,
-                        dy_row_vecs, VEC)
+        _copy_rows_tile(x_slots.index(k), dy_slots.index(k), dres_slots.index(k), x_ptr, dy_ptr, dres_ptr,
+                        lane + k * lanes, cols, M, N, x_row_vecs, dy_row_vecs, VEC, HAS_DRES)
     for k in gl.static_range(PUBLISH_AHEAD):
         row = lane + k * lanes
         async_copy.wait_group(RING - 1 - k)
@@ -376,9 +390,13 @@ def _norm_bwd_split_row_kernel(
             dx = (g - xhat * c2) * rstd
         else:
             dx = (g - gl.div_rn(gl.sum(sum_g, axis=0), N * 1.0) - xhat * c2) * rstd
+        if HAS_DRES:
+            dx += dres_slots.index(slot).load(layout).to(gl.float32)
+        if STORE_DR:
+            gl.store(dr_ptr + row.to(gl.int64) * N + cols, dx.to(dr_ptr.dtype.element_ty), mask=col_mask)
         gl.store(dx_ptr + row.to(gl.int64) * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
-        _copy_rows_tile(x_slots.index(slot), dy_slots.index(slot), x_ptr, dy_ptr, row + RING * lanes, cols, M, N,
-                        x_row_vecs, dy_row_vecs, VEC)
+        _copy_rows_tile(x_slots.index(slot), dy_slots.index(slot), dres_slots.index(slot), x_ptr, dy_ptr, dres_ptr,
+                        row + RING * lanes, cols, M, N, x_row_vecs, dy_row_vecs, VEC, HAS_DRES)
 
     if HAS_WEIGHT or NEED_DB:
         partial = partial_ptr + lane.to(gl.int64) * 2 * N + cols

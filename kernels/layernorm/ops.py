@@ -200,14 +200,15 @@ def _hopper_forward_plan(x, weight, bias, n, stride_x, is_rms) -> tuple | None:
     return _hopper._norm_fwd_shared_row_kernel, plan, 1
 
 
-def _hopper_backward_plan(x, dy, n, stride_x, stride_dy) -> dict | None:
+def _hopper_backward_plan(x, dy, dres, n, stride_x, stride_dy) -> dict | None:
     """Launch parameters of the Hopper wide-row backward for this call, or None for the portable split-row kernel:
-    an sm_90 GPU unless ``FUSED_KERNELS_LAYERNORM_PATH=portable``, 16-bit x and dy whose copies are 16-byte aligned
-    (addresses and row strides), no residual, dropout or second output (the fused op's backward)."""
-    plan = configs.hopper_backward(n, x.element_size(), dy.element_size())
+    an sm_90 GPU unless ``FUSED_KERNELS_LAYERNORM_PATH=portable``, 16-bit x and dy (and the fused op's contiguous
+    residual gradient ``dres``, when given) whose copies are 16-byte aligned (addresses and row strides). The fused
+    op's backward comes here only without dropout (the caller's one-launch exchange excludes it)."""
+    plan = configs.hopper_backward(n, x.element_size(), dy.element_size(), 0 if dres is None else dres.element_size())
     if plan is None or not is_hopper(x.device) or configs.path() == "portable":
         return None
-    if stride_x % 8 or stride_dy % 8 or x.data_ptr() % 16 or dy.data_ptr() % 16:
+    if stride_x % 8 or stride_dy % 8 or any(t is not None and t.data_ptr() % 16 for t in (x, dy, dres)):
         return None
     return plan
 
@@ -286,16 +287,16 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         # Two launches under the interpreter (it runs one program at a time: no waiting) and with dropout,
         # whose Philox work lengthens the wait between the programs more than a second read costs.
         exchange = exchange and not INTERPRETER and dropout_p == 0
-        hopper = None if not exchange or fused is not None or traceable else _hopper_backward_plan(
-            x, dy, n, stride_x, stride_dy)
+        hopper = None if not exchange or traceable else _hopper_backward_plan(x, dy, dres, n, stride_x, stride_dy)
         slots = lanes
         partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
         if hopper is not None:
             packed_terms = torch.full((m, col_blocks), -1, device=x.device, dtype=torch.int64)
             kernel_for(_hopper._norm_bwd_split_row_kernel, traceable=False)[(col_blocks, lanes)](
                 x, dy, dx, _or_unused(weight, x, False), _or_unused(None if is_rms else mean, x, False), rstd,
-                packed_terms, _or_unused(partial, x, False), m, n // 8, stride_x // 8, stride_dy // 8, IS_RMS=is_rms,
-                HAS_WEIGHT=need_dw, NEED_DB=need_db, launch_cooperative_grid=True, **hopper,
+                packed_terms, _or_unused(partial, x, False), _or_unused(dres, x, False), _or_unused(dr, x, False), m,
+                n // 8, stride_x // 8, stride_dy // 8, IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db,
+                HAS_DRES=dres is not None, STORE_DR=dr is not None, launch_cooperative_grid=True, **hopper,
             )
             if need_partial:
                 _launch_dwdb(partial, dw, db, need_dw, need_db, slots, n, x, traceable)
