@@ -526,32 +526,39 @@ def test_hopper_wide_backward_equals_the_portable_one_and_repeats_bitwise(kind, 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("m", "n"), [(5, 16384), (700, 20000), (300, 65536)], ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=str)
 @pytest.mark.parametrize("residual_grad", [True, False], ids=["dres", "no dres"])
-def test_hopper_wide_backward_of_the_fused_op_without_dropout(kind, dtype, m, n, residual_grad):
-    """``add_dropout_norm`` at dropout 0 on the wide path: the Hopper split-row backward with the residual stream's
-    gradient in its ring (or none, when residual_out gets no gradient) and dr stored, against the portable kernel
-    (every gradient), and the same bits on a repeat."""
+def test_hopper_wide_backward_of_the_fused_op(kind, dtype, m, n, p, residual_grad, monkeypatch):
+    """``add_dropout_norm`` on the wide path: the Hopper split-row backward with the residual stream's gradient in its
+    ring (or none, when residual_out gets no gradient), dr stored and, with dropout, the mask drawn in the kernel
+    (widths of whole dropout chunks; N = 20000 with dropout stays portable), against the portable kernel (every
+    gradient), dx exactly ``dropout`` of dr, and the same bits on a repeat."""
     from kernels.layernorm import configs
 
-    assert configs.hopper_backward(n, 2, 2, 2) is not None
+    launched = []
+    kernel_for = ops.kernel_for
+    monkeypatch.setattr(ops, "kernel_for", lambda fn, **kw: launched.append(fn) or kernel_for(fn, **kw))
     x, res, w, b = _fused_inputs(m, n, kind, dtype, "same")
     w = w.to(dtype)
     b = None if b is None else b.to(dtype)
-
     dy = torch.randn(m, n, device=DEVICE).to(dtype)
     dr_out = torch.randn(m, n, device=DEVICE).to(dtype)
 
     def grads(path):
         with configs.forced_path(path):
-            inputs, (y, r), _ = _fused_and_twin(x, res, w, b, kind, 0.0, True)
+            inputs, (y, r), _ = _fused_and_twin(x, res, w, b, kind, p, True)
             outs, cotangents = ((y, r), (dy, dr_out)) if residual_grad else ((y,), (dy,))
             return torch.autograd.grad(outs, [t for t in inputs if t is not None], cotangents)
 
-    hopper, again, portable = grads("auto"), grads("auto"), grads("portable")
+    hopper, again = grads("auto"), grads("auto")
+    took_hopper = ops._hopper._norm_bwd_split_row_kernel in launched
+    assert took_hopper == (p == 0 or n % configs.DROPOUT_CHUNK == 0)
+    portable = grads("portable")
     for name, got, repeat, want in zip(("dx", "dres", "dw", "db"), hopper, again, portable, strict=False):
         assert torch.equal(got, repeat), name
         scale = max(1.0, want.abs().max().item())
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=scale * 4 * ATOL[dtype], msg=name)
+    assert torch.equal(hopper[0], dropout(hopper[1], p, seed=77))
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])

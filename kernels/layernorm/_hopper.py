@@ -52,18 +52,28 @@ program per 4096-column block and lane of rows; the row sums of g and g * xhat e
 row), with rows copied asynchronously into a ring of slots so that a program publishes its share of a row some rows
 before it finishes that row, and a handshake without fences: a block's two sums travel as one relaxed 64-bit
 exchange into a slot that reads all ones until then, and the finishing program polls the row's slots. It also takes
-the fused residual + norm backward without dropout (``HAS_DRES``, ``STORE_DR``: the residual stream's gradient
-travels in the ring beside x and dy). Limits: 16-bit x, dy and residual gradient, widths and row strides multiples of
-16 bytes, no dropout (the fused op's backward with dropout stays portable), all programs resident at once (a
-cooperative launch, as the portable kernel's). 0.76-0.82 of copy at N 16384-65536 on the H100, against 0.58-0.65 for
-the portable kernel; the fused op's backward at N = 16384 0.91-0.93, against 0.69-0.75.
+the fused residual + dropout + norm backward (``HAS_DRES``, ``STORE_DR``: the residual stream's gradient travels in the
+ring beside x and dy; ``DROPOUT``: dx masked with the forward's mask, drawn again in the kernel on the chunk viewed as
+(4 runs, 1024 groups), one Philox call per four elements, then moved into the row's layout). Limits: 16-bit x, dy
+and residual gradient, widths and row strides multiples of 16 bytes, with dropout widths that are whole dropout chunks
+(4096 elements: each column block one chunk), all programs resident at once (a cooperative launch, as the portable
+kernel's; registers capped at 128 so that two fit per SM). 0.76-0.82 of copy at N 16384-65536 on the H100, against
+0.58-0.65 for the portable kernel; the fused op's backward at N = 16384 0.91-0.94 without dropout (0.69-0.75 portable)
+and 0.83-0.87 with dropout 0.1 (0.64-0.67 portable, in two launches).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from kernels._common import philox
+
 __all__ = ["_norm_bwd_split_row_kernel", "_norm_fwd_shared_row_kernel", "_norm_fwd_split_row_kernel"]
+
+# The dropout family's Philox, compiled as Gluon (scalar and element-wise arithmetic only: no layouts in them).
+_philox4x32 = gluon.jit(philox.philox4x32.fn)
+_philox_key = gluon.jit(philox.philox_key.fn)
+_LANE_STRIDE: gl.constexpr = gl.constexpr(philox.LANE_STRIDE.value)
 
 
 @gluon.jit
@@ -267,6 +277,25 @@ def _row_values(x_slot, dy_slot, w, mean_ptr, rstd_ptr, row, cols, N, layout: gl
 
 
 @gluon.jit
+def _chunk_keep_factor(chunk, k0, k1, threshold, scale, layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The dropout factors (``scale`` where kept, 0 where dropped, fp32) of dropout chunk ``chunk`` (int64), a
+    ``BLOCK_N = 4 * LANE_STRIDE``-element tensor in ``layout``: the mask ``kernels.dropout.dropout`` draws for those
+    elements. Element ``e`` of a chunk takes word ``e // LANE_STRIDE`` of group ``chunk * LANE_STRIDE +
+    e % LANE_STRIDE``. The words are drawn on the chunk viewed as (4 runs, LANE_STRIDE), each thread holding all four
+    runs of its groups (one Philox call per four elements), then moved into ``layout``."""
+    runs: gl.constexpr = gl.BlockedLayout([4, 4], [1, 32], [1, gl.num_warps()], [1, 0])
+    lane = gl.arange(0, _LANE_STRIDE, layout=gl.SliceLayout(0, runs))
+    group = (chunk * _LANE_STRIDE + lane.to(gl.int64)).to(gl.uint64)
+    zero = (lane * 0).to(gl.uint32)
+    w0, w1, w2, w3 = _philox4x32(group.to(gl.uint32), (group >> 32).to(gl.uint32), zero, zero, k0, k1)
+    run = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, runs)), 1)
+    word = gl.where(run == 0, gl.expand_dims(w0, 0), gl.where(run == 1, gl.expand_dims(w1, 0), gl.where(
+        run == 2, gl.expand_dims(w2, 0), gl.expand_dims(w3, 0))))
+    factor = gl.where(word >= threshold, scale, 0.0)
+    return gl.convert_layout(gl.reshape(factor, [BLOCK_N]), layout)
+
+
+@gluon.jit
 def _post_pair(slot_ptr, lo, hi):
     """Write two fp32 scalars into an int64 slot as one relaxed 64-bit exchange, so the value is its own flag (no
     fence, no count). The slot holds all ones until then, a pattern no fp32 arithmetic produces (NaN results are
@@ -292,7 +321,7 @@ def _publish(terms_ptr, row, block, g, xhat, COL_BLOCKS: gl.constexpr):
     _post_pair(terms_ptr + row * COL_BLOCKS + block, gl.sum(g, axis=0), gl.sum(g * xhat, axis=0))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold"])
 def _norm_bwd_split_row_kernel(
     x_ptr,  # (M, N) forward input, row stride x_row_vecs * VEC
     dy_ptr,  # (M, N) upstream gradient, row stride dy_row_vecs * VEC
@@ -308,6 +337,12 @@ def _norm_bwd_split_row_kernel(
     N_VECS,  # N // VEC and the row strides in VECs: the compiler then knows every copy is whole
     x_row_vecs,
     dy_row_vecs,
+    seed_lo,  # the dropout mask's seed and keep threshold, as the portable kernel takes them (read with DROPOUT)
+    seed_hi,
+    seed_ptr,
+    seed_in_memory,
+    threshold,
+    scale,
     IS_RMS: gl.constexpr,
     HAS_WEIGHT: gl.constexpr,
     NEED_DB: gl.constexpr,
@@ -317,8 +352,9 @@ def _norm_bwd_split_row_kernel(
     VEC: gl.constexpr,  # elements per 16-byte copy of x and dy (16-bit)
     RING: gl.constexpr,  # shared-memory slots of (x, dy) column blocks per program
     PUBLISH_AHEAD: gl.constexpr,  # rows by which a program's publishing runs ahead of its finishing (< RING)
-    HAS_DRES: gl.constexpr = False,  # the fused residual + norm backward without dropout: dx += dres ...
-    STORE_DR: gl.constexpr = False,  # ... and dr = dx stored for the residual
+    HAS_DRES: gl.constexpr = False,  # the fused residual + dropout + norm backward: dx += dres ...
+    STORE_DR: gl.constexpr = False,  # ... dr = dx stored for the residual ...
+    DROPOUT: gl.constexpr = False,  # ... and dx = dropout(dr) with the forward's mask (each block one whole chunk)
 ):
     """Wide rows, the portable ``_layer_norm_bwd_split_row_kernel``'s one-launch exchange with a deeper lookahead and a
     cheaper handshake: program (column block, lane) takes rows ``lane, lane + lanes, ...`` of its columns, copied
@@ -326,7 +362,9 @@ def _norm_bwd_split_row_kernel(
     first, used last), publishes its own share of row k + PUBLISH_AHEAD, takes row k's dW/dB terms, then waits until
     every block's share of row k is there, writes dx and refills row k's slot with row k + RING. All programs must
     be resident at once (cooperative launch). With ``HAS_DRES`` the residual stream's gradient travels in the ring
-    beside x and dy, and is added to dx as the portable kernel adds it (``STORE_DR``: stored as dr too)."""
+    beside x and dy, and is added to dx as the portable kernel adds it (``STORE_DR``: stored as dr too); with
+    ``DROPOUT`` (``BLOCK_N`` one dropout chunk and N a multiple of it) dx is then masked as the portable kernel masks
+    it, the mask drawn again from the seed."""
     layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     N = N_VECS * VEC
@@ -350,6 +388,10 @@ def _norm_bwd_split_row_kernel(
     share_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     share = gl.arange(0, SHARES, layout=share_layout)
     share_mask = share < COL_BLOCKS
+    if DROPOUT:
+        k0, k1 = _philox_key(seed_lo, seed_hi, seed_ptr, seed_in_memory)
+        keep_threshold = threshold.to(gl.uint32)
+        keep_scale = scale.to(gl.float32)
 
     # Row k of this program is lane + k * lanes, its copies commit group k.
     for k in gl.static_range(RING):
@@ -394,6 +436,10 @@ def _norm_bwd_split_row_kernel(
             dx += dres_slots.index(slot).load(layout).to(gl.float32)
         if STORE_DR:
             gl.store(dr_ptr + row.to(gl.int64) * N + cols, dx.to(dr_ptr.dtype.element_ty), mask=col_mask)
+        if DROPOUT:
+            factor = _chunk_keep_factor(row.to(gl.int64) * COL_BLOCKS + block, k0, k1, keep_threshold, keep_scale,
+                                        layout, BLOCK_N)
+            dx = dx.to(dx_ptr.dtype.element_ty).to(gl.float32) * factor
         gl.store(dx_ptr + row.to(gl.int64) * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
         _copy_rows_tile(x_slots.index(slot), dy_slots.index(slot), dres_slots.index(slot), x_ptr, dy_ptr, dres_ptr,
                         row + RING * lanes, cols, M, N, x_row_vecs, dy_row_vecs, VEC, HAS_DRES)

@@ -332,8 +332,11 @@ def hopper_backward(n: int, x_bytes: int, dy_bytes: int, dres_bytes: int = 0) ->
     if ring < 2:
         return None
     col_blocks = cdiv(n, s.wide_columns)
+    # registers capped so that wide_programs_per_sm programs fit (the fused op's dropout mask would take 171 at 8 warps)
+    max_registers = min(255, REGISTERS_PER_SM // (s.wide_programs_per_sm * s.wide_warps * 32)) // 8 * 8
     return {"BLOCK_N": s.wide_columns, "COL_BLOCKS": col_blocks, "SHARES": next_pow2(col_blocks), "VEC": 8,
-            "RING": ring, "PUBLISH_AHEAD": min(s.hopper_bwd_publish_ahead, ring - 1), "num_warps": s.wide_warps}
+            "RING": ring, "PUBLISH_AHEAD": min(s.hopper_bwd_publish_ahead, ring - 1), "num_warps": s.wide_warps,
+            "maxnreg": max_registers}
 
 
 def fused_backward(n) -> bool:

@@ -286,8 +286,12 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
         col_blocks, lanes, exchange, wide_cfg = configs.wide_backward(m, n, sms)
         # Two launches under the interpreter (it runs one program at a time: no waiting) and with dropout,
         # whose Philox work lengthens the wait between the programs more than a second read costs.
-        exchange = exchange and not INTERPRETER and dropout_p == 0
-        hopper = None if not exchange or traceable else _hopper_backward_plan(x, dy, dres, n, stride_x, stride_dy)
+        one_launch = exchange and not INTERPRETER
+        exchange = one_launch and dropout_p == 0
+        # The Hopper kernel draws the mask in its own layout: each column block one whole dropout chunk.
+        chunk_columns = wide_cfg["BLOCK_N"] == configs.DROPOUT_CHUNK and n % configs.DROPOUT_CHUNK == 0
+        hopper = None if not one_launch or traceable or (dropout_p > 0 and not chunk_columns) else (
+            _hopper_backward_plan(x, dy, dres, n, stride_x, stride_dy))
         slots = lanes
         partial = torch.empty((slots, 2, n), device=x.device, dtype=torch.float32) if need_partial else None
         if hopper is not None:
@@ -295,8 +299,9 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
             kernel_for(_hopper._norm_bwd_split_row_kernel, traceable=False)[(col_blocks, lanes)](
                 x, dy, dx, _or_unused(weight, x, False), _or_unused(None if is_rms else mean, x, False), rstd,
                 packed_terms, _or_unused(partial, x, False), _or_unused(dres, x, False), _or_unused(dr, x, False), m,
-                n // 8, stride_x // 8, stride_dy // 8, IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db,
-                HAS_DRES=dres is not None, STORE_DR=dr is not None, launch_cooperative_grid=True, **hopper,
+                n // 8, stride_x // 8, stride_dy // 8, *_dropout_kernel_args(dropout_p, seed, x, False),
+                IS_RMS=is_rms, HAS_WEIGHT=need_dw, NEED_DB=need_db, HAS_DRES=dres is not None,
+                STORE_DR=dr is not None, DROPOUT=dropout_p > 0, launch_cooperative_grid=True, **hopper,
             )
             if need_partial:
                 _launch_dwdb(partial, dw, db, need_dw, need_db, slots, n, x, traceable)
