@@ -95,7 +95,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels._common import philox
+from kernels._common.philox_gluon import philox4x32 as _philox4x32
+from kernels._common.philox_gluon import philox_key as _philox_key
 from kernels.attention import _kernels as _portable
 from kernels.attention._hopper import (
     _add_product_in_parts,
@@ -129,11 +130,8 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
-# The query range of a key block is the portable kernel's rule, and Philox the shared one, compiled as Gluon (scalar
-# and element-wise arithmetic only: no layouts in them).
+# The query range of a key block is the portable kernel's rule, compiled as Gluon (scalar arithmetic only).
 _query_blocks = gluon.jit(_portable._query_range.fn)
-_philox4x32 = gluon.jit(philox.philox4x32.fn)
-_philox_key = gluon.jit(philox.philox_key.fn)
 _COUNTER_TAG: gl.constexpr = gl.constexpr(ATTENTION_COUNTER_TAG)
 
 

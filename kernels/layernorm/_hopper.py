@@ -66,14 +66,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from kernels._common import philox
+from kernels._common.philox_gluon import LANE_STRIDE as _LANE_STRIDE
+from kernels._common.philox_gluon import philox4x32 as _philox4x32
+from kernels._common.philox_gluon import philox_key as _philox_key
 
 __all__ = ["_norm_bwd_split_row_kernel", "_norm_fwd_shared_row_kernel", "_norm_fwd_split_row_kernel"]
-
-# The dropout family's Philox, compiled as Gluon (scalar and element-wise arithmetic only: no layouts in them).
-_philox4x32 = gluon.jit(philox.philox4x32.fn)
-_philox_key = gluon.jit(philox.philox_key.fn)
-_LANE_STRIDE: gl.constexpr = gl.constexpr(philox.LANE_STRIDE.value)
 
 
 @gluon.jit
