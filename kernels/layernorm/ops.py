@@ -204,7 +204,7 @@ def _hopper_backward_plan(x, dy, dres, n, stride_x, stride_dy) -> dict | None:
     """Launch parameters of the Hopper wide-row backward for this call, or None for the portable split-row kernel:
     an sm_90 GPU unless ``FUSED_KERNELS_LAYERNORM_PATH=portable``, 16-bit x and dy (and the fused op's contiguous
     residual gradient ``dres``, when given) whose copies are 16-byte aligned (addresses and row strides). The fused
-    op's backward comes here only without dropout (the caller's one-launch exchange excludes it)."""
+    op's backward with dropout comes here only for widths of whole dropout chunks (the caller checks)."""
     plan = configs.hopper_backward(n, x.element_size(), dy.element_size(), 0 if dres is None else dres.element_size())
     if plan is None or not is_hopper(x.device) or configs.path() == "portable":
         return None
@@ -284,8 +284,8 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
     else:
         # Wide rows: programs split each row by columns and exchange the row sums (see the kernel).
         col_blocks, lanes, exchange, wide_cfg = configs.wide_backward(m, n, sms)
-        # Two launches under the interpreter (it runs one program at a time: no waiting) and with dropout,
-        # whose Philox work lengthens the wait between the programs more than a second read costs.
+        # The portable kernel: two launches under the interpreter (it runs one program at a time: no waiting) and
+        # with dropout, whose Philox work lengthens the wait between the programs more than a second read costs.
         one_launch = exchange and not INTERPRETER
         exchange = one_launch and dropout_p == 0
         # The Hopper kernel draws the mask in its own layout: each column block one whole dropout chunk.
