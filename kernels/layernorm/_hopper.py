@@ -51,15 +51,17 @@ Backward (``_norm_bwd_split_row_kernel``, rows over 8192): the portable split-ro
 program per 4096-column block and lane of rows; the row sums of g and g * xhat exchanged between the blocks of a
 row), with rows copied asynchronously into a ring of slots so that a program publishes its share of a row some rows
 before it finishes that row, and a handshake without fences: a block's two sums travel as one relaxed 64-bit
-exchange into a slot that reads all ones until then, and the finishing program polls the row's slots. It also takes
+exchange into a slot that reads all ones until then, and the finishing program polls the row's slots. Nothing in an
+iteration waits on an L2 round trip unless a block runs behind: each row's mean and rstd arrive in the ring with the
+row, and the shares of the row an iteration finishes are read one iteration before. It also takes
 the fused residual + dropout + norm backward (``HAS_DRES``, ``STORE_DR``: the residual stream's gradient travels in the
 ring beside x and dy; ``DROPOUT``: dx masked with the forward's mask, drawn again in the kernel on the chunk viewed as
 (4 runs, 1024 groups), one Philox call per four elements, then moved into the row's layout). Limits: 16-bit x, dy
 and residual gradient, widths and row strides multiples of 16 bytes, with dropout widths that are whole dropout chunks
 (4096 elements: each column block one chunk), all programs resident at once (a cooperative launch, as the portable
-kernel's; registers capped at 128 so that two fit per SM). 0.76-0.82 of copy at N 16384-65536 on the H100, against
-0.58-0.65 for the portable kernel; the fused op's backward at N = 16384 0.91-0.94 without dropout (0.69-0.75 portable)
-and 0.83-0.87 with dropout 0.1 (0.64-0.67 portable, in two launches).
+kernel's; registers capped at 128 so that two fit per SM). 0.91-0.94 of copy at N 16384-65536 on the H100 (the
+benchmark's sweep), against 0.58-0.65 for the portable kernel; the fused op's backward at N = 16384 0.91-0.93
+without dropout (0.69-0.75 portable) and 0.82-0.91 with dropout 0.1 (0.64-0.67 portable, in two launches).
 """
 
 from triton.experimental import gluon
@@ -242,10 +244,17 @@ def _norm_fwd_shared_row_kernel(
 
 
 @gluon.jit
-def _copy_rows_tile(x_slot, dy_slot, dres_slot, x_ptr, dy_ptr, dres_ptr, row, cols, M, N, x_row_vecs, dy_row_vecs,
-                    VEC: gl.constexpr, HAS_DRES: gl.constexpr):
-    """Issue the copies of row ``row``'s column block (x and dy, and the contiguous dres with ``HAS_DRES``) into their
-    slots as one commit group (masked off past M and N)."""
+def _copy_rows_tile(x_slot, dy_slot, dres_slot, stats_slot, x_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr, row, cols, M,
+                    N, x_row_vecs, dy_row_vecs, VEC: gl.constexpr, HAS_DRES: gl.constexpr, IS_RMS: gl.constexpr):
+    """Issue the copies of row ``row``'s column block (x and dy, and the contiguous dres with ``HAS_DRES``) and of its
+    statistics (mean, rstd) into their slots as one commit group (masked off past M and N)."""
+    pair_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    pair = gl.arange(0, 2, layout=pair_layout)
+    if IS_RMS:
+        stats = rstd_ptr + row + pair * 0
+    else:
+        stats = gl.where(pair == 0, mean_ptr + row, rstd_ptr + row)
+    async_copy.async_copy_global_to_shared(stats_slot, stats, mask=(pair < 2) & (row < M))
     mask = (cols < N) & (row < M)
     async_copy.async_copy_global_to_shared(x_slot, x_ptr + row.to(gl.int64) * x_row_vecs * VEC + cols, mask=mask)
     async_copy.async_copy_global_to_shared(dy_slot, dy_ptr + row.to(gl.int64) * dy_row_vecs * VEC + cols, mask=mask)
@@ -255,22 +264,31 @@ def _copy_rows_tile(x_slot, dy_slot, dres_slot, x_ptr, dy_ptr, dres_ptr, row, co
 
 
 @gluon.jit
-def _row_values(x_slot, dy_slot, w, mean_ptr, rstd_ptr, row, cols, N, layout: gl.constexpr, IS_RMS: gl.constexpr,
+def _row_values(x_slot, dy_slot, w, mean, rstd, cols, N, layout: gl.constexpr, IS_RMS: gl.constexpr,
                 HAS_WEIGHT: gl.constexpr):
-    """``(dy, xhat, g, rstd)`` of one row's column block, from its slots, as the portable ``_bwd_tile_values``."""
+    """``(dy, xhat, g)`` of one row's column block, from its slots and its statistics, as the portable
+    ``_bwd_tile_values``."""
     mask = cols < N
     x = x_slot.load(layout).to(gl.float32)
     dy = dy_slot.load(layout).to(gl.float32)
-    rstd = gl.load(rstd_ptr + row)
     if IS_RMS:
         xhat = x * rstd
     else:
-        xhat = gl.where(mask, (x - gl.load(mean_ptr + row)) * rstd, 0.0)
+        xhat = gl.where(mask, (x - mean) * rstd, 0.0)
     if HAS_WEIGHT:
         g = gl.where(mask, dy * w, 0.0)  # a select: g - c1 must not contract into an fma (see the portable kernel)
     else:
         g = dy
-    return dy, xhat, g, rstd
+    return dy, xhat, g
+
+
+@gluon.jit
+def _slot_stats(stats_slot):
+    """``(mean, rstd)`` of a row from its statistics slot (``_copy_rows_tile``)."""
+    both: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])  # each thread reads both
+    values = stats_slot.load(both)
+    pair = gl.arange(0, 2, layout=both)
+    return gl.sum(gl.where(pair == 0, values, 0.0), axis=0), gl.sum(gl.where(pair == 1, values, 0.0), axis=0)
 
 
 @gluon.jit
@@ -372,6 +390,9 @@ def _norm_bwd_split_row_kernel(
     col_mask = cols < N
     x_slots = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [RING, BLOCK_N], flat)
     dy_slots = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [RING, BLOCK_N], flat)
+    # Each row's mean and rstd travel in the ring with it: loaded where used, they were an L2 round trip on which
+    # every warp of the program stalled.
+    stats_slots = gl.allocate_shared_memory(gl.float32, [RING, 2], flat)
     if HAS_DRES:
         dres_slots = gl.allocate_shared_memory(dres_ptr.dtype.element_ty, [RING, BLOCK_N], flat)
     else:
@@ -392,33 +413,42 @@ def _norm_bwd_split_row_kernel(
 
     # Row k of this program is lane + k * lanes, its copies commit group k.
     for k in gl.static_range(RING):
-        _copy_rows_tile(x_slots.index(k), dy_slots.index(k), dres_slots.index(k), x_ptr, dy_ptr, dres_ptr,
-                        lane + k * lanes, cols, M, N, x_row_vecs, dy_row_vecs, VEC, HAS_DRES)
+        _copy_rows_tile(x_slots.index(k), dy_slots.index(k), dres_slots.index(k), stats_slots.index(k), x_ptr, dy_ptr,
+                        dres_ptr, mean_ptr, rstd_ptr, lane + k * lanes, cols, M, N, x_row_vecs, dy_row_vecs, VEC,
+                        HAS_DRES, IS_RMS)
     for k in gl.static_range(PUBLISH_AHEAD):
         row = lane + k * lanes
         async_copy.wait_group(RING - 1 - k)
         if row < M:
-            _, xhat, g, _ = _row_values(x_slots.index(k), dy_slots.index(k), w, mean_ptr, rstd_ptr, row, cols, N,
-                                        layout, IS_RMS, HAS_WEIGHT)
+            mean, rstd = _slot_stats(stats_slots.index(k))
+            _, xhat, g = _row_values(x_slots.index(k), dy_slots.index(k), w, mean, rstd, cols, N, layout, IS_RMS,
+                                     HAS_WEIGHT)
             _publish(terms_ptr, row, block, g, xhat, COL_BLOCKS)
 
+    # The blocks' shares of the row an iteration finishes are read one iteration before (an L2 round trip, which
+    # stalled every warp of the program where it was read on use): published PUBLISH_AHEAD - 1 iterations before
+    # that, they are there by then but for a block running behind (then read again).
+    shares = gl.load(terms_ptr + lane * COL_BLOCKS + share, mask=share_mask & (lane < M), other=0, volatile=True)
     for row in range(lane, M, lanes):
         step = (row - lane) // lanes  # row `step` of this program
         shares_ptr = terms_ptr + row * COL_BLOCKS + share
-        shares = gl.load(shares_ptr, mask=share_mask, other=0, volatile=True)  # in flight while the rest runs
+        next_shares = gl.load(shares_ptr + lanes * COL_BLOCKS, mask=share_mask & (row + lanes < M), other=0,
+                              volatile=True)
+        ahead = row + PUBLISH_AHEAD * lanes
 
         # Publish row step + PUBLISH_AHEAD: RING - 1 - PUBLISH_AHEAD copies are issued after it.
-        ahead = row + PUBLISH_AHEAD * lanes
         slot = (step + PUBLISH_AHEAD) % RING
         async_copy.wait_group(RING - 1 - PUBLISH_AHEAD)
         if ahead < M:
-            _, xhat, g, _ = _row_values(x_slots.index(slot), dy_slots.index(slot), w, mean_ptr, rstd_ptr, ahead, cols,
-                                        N, layout, IS_RMS, HAS_WEIGHT)
+            ahead_mean, ahead_rstd = _slot_stats(stats_slots.index(slot))
+            _, xhat, g = _row_values(x_slots.index(slot), dy_slots.index(slot), w, ahead_mean, ahead_rstd, cols, N,
+                                     layout, IS_RMS, HAS_WEIGHT)
             _publish(terms_ptr, ahead, block, g, xhat, COL_BLOCKS)
 
         slot = step % RING
-        dy, xhat, g, rstd = _row_values(x_slots.index(slot), dy_slots.index(slot), w, mean_ptr, rstd_ptr, row, cols,
-                                        N, layout, IS_RMS, HAS_WEIGHT)
+        row_mean, rstd = _slot_stats(stats_slots.index(slot))
+        dy, xhat, g = _row_values(x_slots.index(slot), dy_slots.index(slot), w, row_mean, rstd, cols, N, layout,
+                                  IS_RMS, HAS_WEIGHT)
         if HAS_WEIGHT:
             dw_acc += dy * xhat
         if NEED_DB:
@@ -438,8 +468,10 @@ def _norm_bwd_split_row_kernel(
                                         layout, BLOCK_N)
             dx = dx.to(dx_ptr.dtype.element_ty).to(gl.float32) * factor
         gl.store(dx_ptr + row.to(gl.int64) * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
-        _copy_rows_tile(x_slots.index(slot), dy_slots.index(slot), dres_slots.index(slot), x_ptr, dy_ptr, dres_ptr,
-                        row + RING * lanes, cols, M, N, x_row_vecs, dy_row_vecs, VEC, HAS_DRES)
+        _copy_rows_tile(x_slots.index(slot), dy_slots.index(slot), dres_slots.index(slot), stats_slots.index(slot),
+                        x_ptr, dy_ptr, dres_ptr, mean_ptr, rstd_ptr, row + RING * lanes, cols, M, N, x_row_vecs,
+                        dy_row_vecs, VEC, HAS_DRES, IS_RMS)
+        shares = next_shares
 
     if HAS_WEIGHT or NEED_DB:
         partial = partial_ptr + lane.to(gl.int64) * 2 * N + cols

@@ -319,6 +319,11 @@ def hopper_split_forward(n: int, x_bytes: int, w_bytes: int, b_bytes: int, is_rm
             "num_warps": s.hopper_split_warps}, per_sm
 
 
+#: Shared memory per ring slot of the Hopper backward besides the rows: the row's mean and rstd (fp32), which travel
+#: with it.
+HOPPER_BWD_STATS_BYTES = 8
+
+
 def hopper_backward(n: int, x_bytes: int, dy_bytes: int, dres_bytes: int = 0) -> dict | None:
     """Launch parameters of the Hopper split-row backward (``kernels/layernorm/_hopper.py``) for rows of ``n`` of the
     wide path, with the grid of :func:`wide_backward`, or None where it does not apply (32-bit x, dy or dres, widths
@@ -327,7 +332,7 @@ def hopper_backward(n: int, x_bytes: int, dy_bytes: int, dres_bytes: int = 0) ->
     s = _active
     if type(n) is not int or fused_backward(n) or x_bytes != 2 or dy_bytes != 2 or dres_bytes not in (0, 2) or n % 8:
         return None
-    per_slot = s.wide_columns * (x_bytes + dy_bytes + dres_bytes)
+    per_slot = s.wide_columns * (x_bytes + dy_bytes + dres_bytes) + HOPPER_BWD_STATS_BYTES
     ring = min(s.hopper_bwd_ring, (s.hopper_shared_bytes // s.wide_programs_per_sm) // per_slot)
     if ring < 2:
         return None
