@@ -225,23 +225,53 @@ def test_deterministic_mode_is_bitwise_reproducible(kind, m, n):
 @pytest.mark.parametrize(("m", "n"), by_mode(interpreter=[(40, 64)], cuda=[(4096, 512), (4096, 4096), (2048, 20000)]),
                          ids=str)
 def test_lock_mode_is_right_on_every_repeat(m, n):
-    """A missing barrier or lock shows up as a wrong dW on some run, not every run."""
+    """A missing barrier or lock shows up as a wrong dW on some run, not every run (lock mode forced: calls this
+    small would give each program its own buffer)."""
+    from kernels.layernorm import configs
+
     x, w, b, dy = _inputs(m, n, torch.float32)
     _, _, dw_ref, db_ref = _run(lambda t, *p: F.layer_norm(t, (n,), *p), x.double(), [w.double(), b.double()],
                                 dy.double())
-    for _ in range(by_mode(interpreter=2, cuda=100)):
-        _, _, dw, db = _run(lambda t, *p: layer_norm(t, n, *p), x, [w, b], dy)
-        torch.testing.assert_close(dw.double(), dw_ref, rtol=1e-4, atol=1e-3)
-        torch.testing.assert_close(db.double(), db_ref, rtol=1e-4, atol=1e-3)
+    with configs.override(lock_free_max_elements=0):
+        for _ in range(by_mode(interpreter=2, cuda=100)):
+            _, _, dw, db = _run(lambda t, *p: layer_norm(t, n, *p), x, [w, b], dy)
+            torch.testing.assert_close(dw.double(), dw_ref, rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(db.double(), db_ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_small_calls_give_each_program_its_own_buffer(kind):
+    """At most ``lock_free_max_elements`` elements the backward takes the deterministic layout (bit for bit what
+    ``deterministic=True`` gives); larger calls keep the locks, and both agree within rounding."""
+    from kernels.layernorm import configs
+
+    s = configs.SETTINGS
+    assert configs.lock_free_partials(4096, s.lock_free_max_elements // 4096)
+    assert not configs.lock_free_partials(4096, s.lock_free_max_elements // 4096 + 1)
+    m, n = 40, 64
+    x, w, b, dy = _inputs(m, n, torch.float32)
+    params = [w, b] if kind == "layer" else [w]
+    call = layer_norm if kind == "layer" else rms_norm
+    default = _run(lambda t, *p: call(t, n, *p), x, params, dy)
+    fixed = _run(lambda t, *p: call(t, n, *p, deterministic=True), x, params, dy)
+    for a, b_ in zip(default, fixed, strict=True):
+        assert torch.equal(a, b_)
+    with configs.override(lock_free_max_elements=0):
+        locked = _run(lambda t, *p: call(t, n, *p), x, params, dy)
+    for a, b_ in zip(default, locked, strict=True):
+        torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5)
 
 
 def test_the_cached_backward_workspace_is_reused_and_left_with_zero_locks_and_flags():
     """Eager backwards on one stream share their partial rows, locks and first-write flags; each leaves the locks
     and flags zero (the final-sum kernel resets the flags), which the next one relies on."""
+    from kernels.layernorm import configs
+
     x, w, b, dy = _inputs(40, 64, torch.float32)
     ops._WORKSPACES.clear()
-    for _ in range(3):
-        _run(lambda t, *p: layer_norm(t, 64, *p), x, [w, b], dy)
+    with configs.override(lock_free_max_elements=0):
+        for _ in range(3):
+            _run(lambda t, *p: layer_norm(t, 64, *p), x, [w, b], dy)
     ((partial, locks),) = ops._WORKSPACES.values()
     assert partial.dtype == torch.float32 and locks.dtype == torch.int32
     assert torch.count_nonzero(locks).item() == 0

@@ -17,7 +17,9 @@ decision with its reason. The measurements behind them are in the family's ``TUN
 - **backward, rows up to ``max_fused_bwd``**: tiles of about ``bwd_tile`` elements,
   ``min(row tiles, programs_per_sm * SMs)`` programs, each owning a contiguous range of rows and adding
   its partial dW/dB once into one of ``min(programs, max_group_size_m)`` fp32 buffers under a lock (one
-  buffer per program with ``deterministic=True``); a second kernel sums the buffers.
+  buffer per program, no lock, with ``deterministic=True`` and for calls of at most ``lock_free_max_elements``
+  elements, where the programs' waits for the locks at the end outweigh the extra buffers); a second kernel sums
+  the buffers.
 - **backward, wider rows**: programs over (``wide_columns``-column block, lane of ``wide_rows``-row tiles),
   at most ``wide_programs_per_sm * SMs`` in all so that all are resident at once; they exchange the row sums
   through memory and each lane writes its own buffer (lock-free, deterministic). On Hopper, 16-bit rows take the
@@ -131,6 +133,10 @@ class Settings:
     bwd_loop_stages: int = 3  # pipelining of the row loop: 52-62% -> 81-88% of copy for N <= 8192
     programs_per_sm: int = 2  # two programs per SM hide each other's reduction and lock waits
     max_group_size_m: int = 64  # lock mode: partial-dW/dB buffers (about four programs per lock on 132 SMs)
+    # Calls of at most this many elements give each program its own buffer instead (H100, M = 4096: 1.08-1.52x
+    # up to N = 4096, where the programs all reach their locks at once and wait in turn; 0.97-1.01x at 8192, and
+    # 0.98-1.00x at M * N = 2^27, where the extra buffers' traffic costs more than the waits).
+    lock_free_max_elements: int = 1 << 24
     # Wide backward: a column block of one dropout chunk's width (the fused op's mask drawn in its layout),
     # one row per tile: x, dy, w and the dW/dB sums of 16 columns per thread fit 128 registers, two programs
     # per SM.
@@ -342,6 +348,13 @@ def hopper_backward(n: int, x_bytes: int, dy_bytes: int, dres_bytes: int = 0) ->
     return {"BLOCK_N": s.wide_columns, "COL_BLOCKS": col_blocks, "SHARES": next_pow2(col_blocks), "VEC": 8,
             "RING": ring, "PUBLISH_AHEAD": min(s.hopper_bwd_publish_ahead, ring - 1), "num_warps": s.wide_warps,
             "maxnreg": max_registers}
+
+
+def lock_free_partials(m, n) -> bool:
+    """Whether a single-kernel backward of ``m`` rows of ``n`` gives each program its own partial dW/dB buffer (the
+    deterministic layout, no locks) although determinism was not asked for: small calls (plain ints only; a traced
+    call with symbolic sizes keeps the locks)."""
+    return type(m) is int and type(n) is int and m * n <= _active.lock_free_max_elements
 
 
 def fused_backward(n) -> bool:

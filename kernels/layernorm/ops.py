@@ -254,6 +254,7 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
     dres, dr, dropout_p, seed = fused or (None, None, 0.0, 0)
     if configs.fused_backward(n):
         dropout_on = dropout_p > 0
+        deterministic = deterministic or configs.lock_free_partials(m, n)  # one buffer per program, no locks
         cfg, programs, rows_per_program, slots = configs.fused_backward_plan(m, n, dropout_on, deterministic, sms)
         partial, locks = _backward_workspace(x.device, slots, n, need_partial, not deterministic and need_partial,
                                              traceable)
