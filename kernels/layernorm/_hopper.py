@@ -322,6 +322,13 @@ def _post_pair(slot_ptr, lo, hi):
 
 
 @gluon.jit
+def _read_pairs(slots_ptr, row, share, share_mask, M, COL_BLOCKS: gl.constexpr):
+    """A first volatile read of row ``row``'s slots (all ones where a block has not published yet; 0 past M), for
+    ``_await_pairs``."""
+    return gl.load(slots_ptr + row * COL_BLOCKS + share, mask=share_mask & (row < M), other=0, volatile=True)
+
+
+@gluon.jit
 def _await_pairs(slots_ptr, pairs, mask):
     """``(lo, hi)`` fp32 of every slot of ``slots_ptr`` under ``mask``, ``pairs`` being a first volatile read of them
     (issued early, so that its latency overlaps other work): read again until none holds all ones (``_post_pair``)."""
@@ -430,12 +437,11 @@ def _norm_bwd_split_row_kernel(
     # The blocks' shares of the row an iteration finishes are read one iteration before (an L2 round trip, which
     # stalled every warp of the program where it was read on use): published PUBLISH_AHEAD - 1 iterations before
     # that, they are there by then but for a block running behind (then read again).
-    shares = gl.load(terms_ptr + lane * COL_BLOCKS + share, mask=share_mask & (lane < M), other=0, volatile=True)
+    shares = _read_pairs(terms_ptr, lane, share, share_mask, M, COL_BLOCKS)
     for row in range(lane, M, lanes):
         step = (row - lane) // lanes  # row `step` of this program
         shares_ptr = terms_ptr + row * COL_BLOCKS + share
-        next_shares = gl.load(shares_ptr + lanes * COL_BLOCKS, mask=share_mask & (row + lanes < M), other=0,
-                              volatile=True)
+        next_shares = _read_pairs(terms_ptr, row + lanes, share, share_mask, M, COL_BLOCKS)
         ahead = row + PUBLISH_AHEAD * lanes
 
         # Publish row step + PUBLISH_AHEAD: RING - 1 - PUBLISH_AHEAD copies are issued after it.
@@ -565,12 +571,11 @@ def _norm_fwd_split_row_kernel(
             _publish_stats(stats_ptr, row, block, x, cols, N, BLOCK_N, COL_BLOCKS, IS_RMS)
 
     # The blocks' shares of the row an iteration normalises are read one iteration before, as in the backward.
-    shares = gl.load(stats_ptr + lane * COL_BLOCKS + share, mask=share_mask & (lane < M), other=0, volatile=True)
+    shares = _read_pairs(stats_ptr, lane, share, share_mask, M, COL_BLOCKS)
     for row in range(lane, M, lanes):
         step = (row - lane) // lanes
         shares_ptr = stats_ptr + row * COL_BLOCKS + share
-        next_shares = gl.load(shares_ptr + lanes * COL_BLOCKS, mask=share_mask & (row + lanes < M), other=0,
-                              volatile=True)
+        next_shares = _read_pairs(stats_ptr, row + lanes, share, share_mask, M, COL_BLOCKS)
 
         ahead = row + PUBLISH_AHEAD * lanes
         async_copy.wait_group(RING - 1 - PUBLISH_AHEAD)
