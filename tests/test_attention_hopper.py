@@ -108,6 +108,27 @@ def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(ca
 
 @pytest.mark.cuda
 @needs_hopper
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("case", [c for c in HOPPER_CASES if 32 < c[5] <= 64], ids=str)
+def test_both_head_dim_64_forward_tiles_equal_the_portable_kernel(case, consumers):
+    """Head dim 64 has two Hopper forward tiles (``configs.hopper_forward_tile``: two persistent consumers for
+    shorter calls, three one program per tile for the others); each is forced on every D 64 case here."""
+    *dims, causal, window, dtype, layout = case
+    q, k, v = _qkv(*dims, dtype, layout)
+    short = configs.HOPPER_FORWARD_SHORT[64][0]
+    tile = short if consumers == 2 else configs.HOPPER_FORWARD[64]
+    with configs.forced_path("hopper"), configs.hopper_tiles(forward={64: tile}):
+        o, lse = flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+    with configs.forced_path("portable"):
+        o_portable, lse_portable = flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+    torch.testing.assert_close(o, o_portable, rtol=0, atol=ATOL[dtype])
+    finite = torch.isfinite(lse)
+    assert torch.equal(finite, torch.isfinite(lse_portable))
+    torch.testing.assert_close(lse[finite], lse_portable[finite], rtol=0, atol=1e-4)
+
+
+@pytest.mark.cuda
+@needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal, sq, sk", [(False, 300, 700), (True, 300, 700), (True, 700, 300)], ids=str)
 @pytest.mark.parametrize("d", [128, 256])
@@ -370,6 +391,28 @@ def test_auto_takes_the_hopper_forward_from_its_head_dims_programs_per_sm_and_le
     assert not configs.prefers_hopper_forward(64, 10_000, 132, least - 1, 8192)
     assert not configs.prefers_hopper_forward(64, 10_000, 132, 8192, least - 1)
     assert not configs.prefers_hopper_forward(64, 263, 132, 8192, 8192)
+    # full attention at head dim 64 from its own least length (on the short tile)
+    full = configs.HOPPER_FORWARD_MIN_LENGTH_FULL[64]
+    assert full < least
+    assert configs.prefers_hopper_forward(64, 264, 132, full, full, full=True)
+    assert not configs.prefers_hopper_forward(64, 264, 132, full, full)
+    assert not configs.prefers_hopper_forward(64, 264, 132, full - 1, 8192, full=True)
+
+
+def test_short_head_dim_64_calls_without_a_left_edge_take_the_two_consumer_tile():
+    short, full_below, right_edge_below = configs.HOPPER_FORWARD_SHORT[64]
+    assert short.consumers == 2 and short.persistent and configs.HOPPER_FORWARD[64].consumers == 3
+    assert configs.hopper_forward_tile(64, full_below - 1) == short
+    assert configs.hopper_forward_tile(64, full_below) == configs.HOPPER_FORWARD[64]
+    assert configs.hopper_forward_tile(64, right_edge_below - 1, right=0) == short
+    assert configs.hopper_forward_tile(64, right_edge_below, right=0) == configs.HOPPER_FORWARD[64]
+    assert configs.hopper_forward_tile(64, 100, left=50) == configs.HOPPER_FORWARD[64]  # a left edge: three
+    assert configs.hopper_forward_tile(128, 100) == configs.HOPPER_FORWARD[128]
+    # a tile swapped in for a head dim serves every length of it, and the table comes back after the block
+    other = configs.HOPPER_FORWARD[64]._replace(stages=3)
+    with configs.hopper_tiles(forward={64: other}):
+        assert configs.hopper_forward_tile(64, 100) == other
+    assert configs.hopper_forward_tile(64, 100) == short
 
 
 def test_an_eager_backward_decides_its_kernel_path_once_per_signature_and_alignment(monkeypatch):
@@ -402,7 +445,9 @@ def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():
     with configs.forced_path("auto"):
         assert ops.uses_hopper_forward(*big) and ops.uses_hopper_forward(*narrow_long)
         assert ops.uses_hopper_forward(*one_wave)
-        assert not ops.uses_hopper_forward(*small) and not ops.uses_hopper_forward(*narrow_short)
+        assert not ops.uses_hopper_forward(*small)
+        # head dim 64 at S 1024: full attention on the two-consumer tile, causal on the portable kernel
+        assert ops.uses_hopper_forward(*narrow_short) and not ops.uses_hopper_forward(*narrow_short, right=0)
     with configs.forced_path("hopper"):
         assert ops.uses_hopper_forward(*small) and ops.uses_hopper_forward(*narrow_short)
 

@@ -35,15 +35,18 @@ Schedule (one program = 64 query rows per consumer warpgroup, two or three consu
   differed up to 2x and they drifted apart onto different heads, out of each other's K/V in L2); the pairs measured
   1.08-1.16x of it from S 1024 to 4096 (1.00x at 16384). A left edge makes tiles differ otherwise (one program per
   tile, balanced by the hardware's dispatch). At D 64 the persistent loop's extra state spills three consumers of
-  160 registers (104 bytes; 204 paired), so D 64 runs one program per tile.
+  160 registers (104 bytes; 204 paired), so D 64 runs three consumers one program per tile, except on shorter calls
+  without a left edge (full attention below 2048 queries, causal below 3072: ``configs.HOPPER_FORWARD_SHORT``),
+  which take two persistent consumers of 240 registers: there a program is too short for its prologue and epilogue
+  to hide, and the 192-row tiles leave a 1024-row head's last tile a third full (1.01-1.08x three there).
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
 and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33-256; the TMA box pads with
 zeros and clips the store), no dropout, no packed batches (under torch.compile it runs inside an opaque op,
 ``fused_kernels::flash_attn_fwd_gluon``). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
 (``configs.prefers_hopper_forward``: the default path takes grids from half a program per SM at D 128, every grid
-at D 256, and at D 64 grids of two programs per SM or more from S 2048); the backward has its own kernels
-(``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
+at D 256, and at D 64 grids of two tiles per SM or more from S 2048, full attention from S 1024); the backward has
+its own kernels (``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
 
 Head dims 65-96 (``D_SPLIT``, ``split_96`` in ``configs.HOPPER_FORWARD``): their tiles are 128 columns wide (TMA
 fills the rest with zeros), and Q K^T and P V run over the 96 columns that count, as 64 + 32 column slices of the

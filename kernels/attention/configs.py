@@ -228,20 +228,55 @@ HOPPER_MIN_PROGRAMS_PER_SM: dict[int, float] = {64: 2.0, 128: 0.5, 256: 0.0}
 
 #: ``auto`` takes the Hopper forward when queries and keys both reach this length, by padded head dim.
 HOPPER_FORWARD_MIN_LENGTH: dict[int, int] = {64: 2048, 128: 1, 256: 1}
+#: The same for calls without a band edge (full attention), where they differ: D 64 from S 1024 on the short tile
+#: (:data:`HOPPER_FORWARD_SHORT`).
+HOPPER_FORWARD_MIN_LENGTH_FULL: dict[int, int] = {64: 1024}
+
+#: Shorter calls at these padded head dims, without a left band edge, take another tile than :data:`HOPPER_FORWARD`'s:
+#: ``(tile, full attention below this many queries, a right band edge alone (causal) below this many)``. At D 64 two
+#: persistent consumers of 240 registers (causal: paired tiles) instead of three of 160, one program per tile: the
+#: three-consumer tile's 192 rows leave the last tile of a 1024-row head a third full, its programs are too short
+#: for their prologue and epilogue to hide, and under a causal mask its consumers' walks differ. H100, bf16, public
+#: calls, 5 interleaved rounds, two leases, TFLOP/s of two consumers against three and the default path before:
+#: full S 1024 394-397 against 375 and 372-377 (the portable kernel) at B16 H32, 352-354 against 326 and 351 at
+#: B8 H16; causal S 2048 354-355 against 338 and 329-332, S 3000 354-355 against 352 and 346; but full S 2048
+#: 411-415 against 433 and 407-424, causal S 4096 392-394 against 399 and 386-400. The choice against the default
+#: before it, same protocol: full S 1024 1.04-1.06x at B16 H32 and 0.99-1.00x at B8 H16, S 1536 1.02-1.03x; causal
+#: S 2048 1.07-1.14x, S 3000 1.03x, and S 3584 0.99x, hence the causal bound 3072
+#: (record ``attention-forward-d64-short-2026-11-26.txt``).
+HOPPER_FORWARD_SHORT: dict[int, tuple[HopperForwardTile, int, int]] = {
+    64: (HopperForwardTile(128, 2, 2, 240, 24, 168), 2048, 3072),
+}
 
 
-def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: int) -> bool:
-    """Whether ``auto`` runs a supported forward call (padded head dim ``block_d``, ``programs`` Hopper programs on
-    ``sms`` SMs, lengths ``sq`` and ``sk``) on the Hopper kernel: on a grid of at least
-    :data:`HOPPER_MIN_PROGRAMS_PER_SM` programs per SM for its head dim, with Sq and Sk both reaching
-    :data:`HOPPER_FORWARD_MIN_LENGTH`. Measured on an H100 (bf16, kernels alone, interleaved rounds), Hopper /
-    portable forward at D 64, with three consumers of 64 rows: 1.00-1.05x at S 2048 (16k to 64k tokens, H 32),
-    1.04-1.07x at S 2560-4096, 1.10-1.14x at S 16384; but 0.94x at S 2000 on 704 programs, 0.95x at S 1536 causal,
-    0.79-0.96x at S 1024, where a program is short enough that its prologue and epilogue, with one program per SM,
-    weigh. At D 128 and 256 the length does not matter (1 in the table)."""
+def hopper_forward_tile(block_d: int, sq: int, left: int = -1, right: int = -1) -> HopperForwardTile:
+    """The Hopper forward's tile for a call with padded head dim ``block_d``, ``sq`` queries and band edges ``left``,
+    ``right`` (-1: none): the short tile of :data:`HOPPER_FORWARD_SHORT` where one applies, else
+    :data:`HOPPER_FORWARD`'s."""
+    short = HOPPER_FORWARD_SHORT.get(block_d)
+    if short is not None and left < 0:
+        tile, full_below, right_edge_below = short
+        if sq < (full_below if right < 0 else right_edge_below):
+            return tile
+    return HOPPER_FORWARD[block_d]
+
+
+def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: int, full: bool = False) -> bool:
+    """Whether ``auto`` runs a supported forward call (padded head dim ``block_d``, ``programs`` Hopper tiles on
+    ``sms`` SMs, lengths ``sq`` and ``sk``; ``full``: no band edge) on the Hopper kernel: on a grid of at least
+    :data:`HOPPER_MIN_PROGRAMS_PER_SM` tiles per SM for its head dim, with Sq and Sk both reaching
+    :data:`HOPPER_FORWARD_MIN_LENGTH` (:data:`HOPPER_FORWARD_MIN_LENGTH_FULL` for full attention where it has the
+    head dim). Measured on an H100 (bf16, kernels alone, interleaved rounds), Hopper / portable forward at D 64, with
+    three consumers of 64 rows: 1.00-1.05x at S 2048 (16k to 64k tokens, H 32), 1.04-1.07x at S 2560-4096,
+    1.10-1.14x at S 16384; but 0.94x at S 2000 on 704 programs, 0.95x at S 1536 causal, 0.79-0.96x at S 1024, where
+    a program is short enough that its prologue and epilogue, with one program per SM, weigh. Full attention at
+    S 1024 takes the persistent two-consumer tile instead (:data:`HOPPER_FORWARD_SHORT`): 1.00-1.06x the portable
+    forward; under a causal mask that tile still trails it there (0.92-0.95x). At D 128 and 256 the length does not
+    matter (1 in the table)."""
     if programs < HOPPER_MIN_PROGRAMS_PER_SM[block_d] * sms:
         return False
-    least = HOPPER_FORWARD_MIN_LENGTH[block_d]
+    least = HOPPER_FORWARD_MIN_LENGTH_FULL.get(block_d, HOPPER_FORWARD_MIN_LENGTH[block_d]) if full else \
+        HOPPER_FORWARD_MIN_LENGTH[block_d]
     return sq >= least and sk >= least
 
 
@@ -476,8 +511,8 @@ _HOPPER_TABLE_STATES: dict[tuple, int] = {}
 
 def _hopper_tables_changed() -> None:
     global hopper_tables_version
-    state = (HOPPER_BACKWARD_DQ, tuple(HOPPER_FORWARD.items()), tuple(HOPPER_DQ.items()),
-             tuple(HOPPER_BACKWARD.items()))
+    state = (HOPPER_BACKWARD_DQ, tuple(HOPPER_FORWARD.items()), tuple(HOPPER_FORWARD_SHORT.items()),
+             tuple(HOPPER_DQ.items()), tuple(HOPPER_BACKWARD.items()))
     hopper_tables_version = _HOPPER_TABLE_STATES.setdefault(state, len(_HOPPER_TABLE_STATES))
 
 
@@ -510,16 +545,20 @@ def hopper_tiles(forward: dict[int, HopperForwardTile] | None = None,
                  backward: dict[int, HopperBackwardTile] | None = None) -> Iterator[None]:
     """Inside the block, the Hopper forward, dQ and backward kernels take these tiles at these padded head dims
     (entries of :data:`HOPPER_FORWARD`, :data:`HOPPER_DQ` and :data:`HOPPER_BACKWARD`): for tools that time a tile
-    against the table's."""
-    saved = dict(HOPPER_FORWARD), dict(HOPPER_DQ), dict(HOPPER_BACKWARD)
+    against the table's. A forward tile given here serves every length of its head dim (its short tile of
+    :data:`HOPPER_FORWARD_SHORT` steps aside)."""
+    saved = dict(HOPPER_FORWARD), dict(HOPPER_FORWARD_SHORT), dict(HOPPER_DQ), dict(HOPPER_BACKWARD)
     HOPPER_FORWARD.update(forward or {})
+    for d in forward or {}:
+        HOPPER_FORWARD_SHORT.pop(d, None)
     HOPPER_DQ.update(dq or {})
     HOPPER_BACKWARD.update(backward or {})
     _hopper_tables_changed()
     try:
         yield
     finally:
-        for table, before in zip((HOPPER_FORWARD, HOPPER_DQ, HOPPER_BACKWARD), saved, strict=True):
+        tables = (HOPPER_FORWARD, HOPPER_FORWARD_SHORT, HOPPER_DQ, HOPPER_BACKWARD)
+        for table, before in zip(tables, saved, strict=True):
             table.clear()
             table.update(before)
         _hopper_tables_changed()

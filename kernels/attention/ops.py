@@ -185,12 +185,12 @@ def _empty_output(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
 
 
 def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                        varlen=None, traced: bool = False) -> bool:
-    """Whether a forward call on these tensors runs the Hopper kernel (``kernels/attention/_hopper.py``) rather
-    than the portable one. The Hopper kernel takes sm_90, fp16/bf16, dense batches, no dropout, head dims with a
-    Hopper tile and tensors TMA can read in place; of those calls the ``auto`` path takes the ones
-    ``configs.prefers_hopper_forward`` names, the ``hopper`` path all. ``traced``: fake tensors of torch.compile,
-    whose addresses are checked when the call runs (``_tma_ready``)."""
+                        varlen=None, traced: bool = False, left: int = -1, right: int = -1) -> bool:
+    """Whether a forward call on these tensors (band edges ``left``, ``right``; -1: none) runs the Hopper kernel
+    (``kernels/attention/_hopper.py``) rather than the portable one. The Hopper kernel takes sm_90, fp16/bf16, dense
+    batches, no dropout, head dims with a Hopper tile and tensors TMA can read in place; of those calls the ``auto``
+    path takes the ones ``configs.prefers_hopper_forward`` names, the ``hopper`` path all. ``traced``: fake tensors
+    of torch.compile, whose addresses are checked when the call runs (``_tma_ready``)."""
     path = configs.path()
     if path == "portable" or varlen is not None or dropout_p != 0.0 or q.dtype not in _GLUON_DTYPES or q.dim() != 4:
         return False
@@ -202,8 +202,10 @@ def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
         return False
     if path == "hopper":
         return True
-    programs = cdiv(q.shape[2], configs.HOPPER_FORWARD[bd].query_rows) * q.shape[0] * q.shape[1]
-    return configs.prefers_hopper_forward(bd, programs, configs.sm_count(q.device), q.shape[2], k.shape[2])
+    rows = configs.hopper_forward_tile(bd, q.shape[2], left, right).query_rows
+    programs = cdiv(q.shape[2], rows) * q.shape[0] * q.shape[1]
+    return configs.prefers_hopper_forward(bd, programs, configs.sm_count(q.device), q.shape[2], k.shape[2],
+                                          full=left < 0 and right < 0)
 
 
 _GLUON_DTYPES = {torch.float16: _hopper.gl.float16, torch.bfloat16: _hopper.gl.bfloat16}
@@ -229,7 +231,7 @@ def _splits_96(tile, block_d: int, d: int) -> bool:
 def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
-    t = configs.HOPPER_FORWARD[bd]
+    t = configs.hopper_forward_tile(bd, sq, left, right)
     q_block, kv_block = (1, 1, _hopper.CONSUMER_ROWS, bd), (1, 1, t.block_n, bd)
     band, band_flags = _band(left, right)
     tiles_m = cdiv(sq, t.query_rows)
@@ -434,7 +436,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
     if backend_for(q) == "reference":
         o, lse = _twin_forward(q, k, v, left, right, scale, dropout_p, seed, varlen)
         return o, lse.float()
-    if traceable and uses_hopper_forward(q, k, v, dropout_p, varlen, traced=True):
+    if traceable and uses_hopper_forward(q, k, v, dropout_p, varlen, traced=True, left=left, right=right):
         return torch.ops.fused_kernels.flash_attn_fwd_gluon(q, k, v, left, right, scale)
     b, hq = _dims(q, k, varlen)[:2]
     o = _empty_output(q)
@@ -452,7 +454,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
 
 
 def _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable) -> None:
-    if not traceable and uses_hopper_forward(q, k, v, dropout_p, varlen):
+    if not traceable and uses_hopper_forward(q, k, v, dropout_p, varlen, left=left, right=right):
         _launch_fwd_hopper(q, k, v, o, lse, left, right, scale)
         return
     _, _, _, sq, _, d = _dims(q, k, varlen)
