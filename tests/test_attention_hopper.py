@@ -108,16 +108,17 @@ def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(ca
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("consumers", [2, 3])
-@pytest.mark.parametrize("case", [c for c in HOPPER_CASES if 32 < c[5] <= 64], ids=str)
-def test_both_head_dim_64_forward_tiles_equal_the_portable_kernel(case, consumers):
-    """Head dim 64 has two Hopper forward tiles (``configs.hopper_forward_tile``: two persistent consumers for
-    shorter calls, three one program per tile for the others); each is forced on every D 64 case here."""
+@pytest.mark.parametrize("which", ["short", "table"])
+@pytest.mark.parametrize("case", [c for c in HOPPER_CASES if 32 < c[5] <= 128], ids=str)
+def test_both_forward_tiles_of_a_head_dim_equal_the_portable_kernel(case, which):
+    """Head dims 64 and 128 have two Hopper forward tiles each (``configs.hopper_forward_tile``: at D 64 two
+    persistent consumers for shorter calls and three one program per tile for the others, at D 128 64-key blocks for
+    short causal calls and 128-key blocks for the others); each is forced on every case of its head dim here."""
     *dims, causal, window, dtype, layout = case
     q, k, v = _qkv(*dims, dtype, layout)
-    short = configs.HOPPER_FORWARD_SHORT[64][0]
-    tile = short if consumers == 2 else configs.HOPPER_FORWARD[64]
-    with configs.forced_path("hopper"), configs.hopper_tiles(forward={64: tile}):
+    bd = configs.block_d(dims[-1])
+    tile = configs.HOPPER_FORWARD_SHORT[bd][0] if which == "short" else configs.HOPPER_FORWARD[bd]
+    with configs.forced_path("hopper"), configs.hopper_tiles(forward={bd: tile}):
         o, lse = flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
     with configs.forced_path("portable"):
         o_portable, lse_portable = flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
@@ -399,6 +400,15 @@ def test_auto_takes_the_hopper_forward_from_its_head_dims_programs_per_sm_and_le
     assert not configs.prefers_hopper_forward(64, 264, 132, full - 1, 8192, full=True)
 
 
+def test_short_causal_head_dim_128_calls_take_64_key_blocks():
+    short, full_below, right_edge_below = configs.HOPPER_FORWARD_SHORT[128]
+    assert short.block_n == 64 and full_below == 0
+    assert configs.hopper_forward_tile(128, 1, right=0) == short
+    assert configs.hopper_forward_tile(128, right_edge_below - 1, right=0) == short
+    assert configs.hopper_forward_tile(128, right_edge_below, right=0) == configs.HOPPER_FORWARD[128]
+    assert configs.hopper_forward_tile(128, 1) == configs.HOPPER_FORWARD[128]  # full attention keeps 128 keys
+
+
 def test_short_head_dim_64_calls_without_a_left_edge_take_the_two_consumer_tile():
     short, full_below, right_edge_below = configs.HOPPER_FORWARD_SHORT[64]
     assert short.consumers == 2 and short.persistent and configs.HOPPER_FORWARD[64].consumers == 3
@@ -407,7 +417,6 @@ def test_short_head_dim_64_calls_without_a_left_edge_take_the_two_consumer_tile(
     assert configs.hopper_forward_tile(64, right_edge_below - 1, right=0) == short
     assert configs.hopper_forward_tile(64, right_edge_below, right=0) == configs.HOPPER_FORWARD[64]
     assert configs.hopper_forward_tile(64, 100, left=50) == configs.HOPPER_FORWARD[64]  # a left edge: three
-    assert configs.hopper_forward_tile(128, 100) == configs.HOPPER_FORWARD[128]
     # a tile swapped in for a head dim serves every length of it, and the table comes back after the block
     other = configs.HOPPER_FORWARD[64]._replace(stages=3)
     with configs.hopper_tiles(forward={64: other}):

@@ -38,7 +38,9 @@ Schedule (one program = 64 query rows per consumer warpgroup, two or three consu
   160 registers (104 bytes; 204 paired), so D 64 runs three consumers one program per tile, except on shorter calls
   without a left edge (full attention below 2048 queries, causal below 3072: ``configs.HOPPER_FORWARD_SHORT``),
   which take two persistent consumers of 240 registers: there a program is too short for its prologue and epilogue
-  to hide, and the 192-row tiles leave a 1024-row head's last tile a third full (1.01-1.08x three there).
+  to hide, and the 192-row tiles leave a 1024-row head's last tile a third full (1.01-1.08x three there). At D 128,
+  causal calls below 1024 queries take 64-key blocks in three slots, whose diagonal blocks carry half the masked work
+  (1.06-1.17x the 128-key blocks there).
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
 and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33-256; the TMA box pads with

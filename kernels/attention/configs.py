@@ -246,6 +246,11 @@ HOPPER_FORWARD_MIN_LENGTH_FULL: dict[int, int] = {64: 1024}
 #: (record ``attention-forward-d64-short-2026-11-26.txt``).
 HOPPER_FORWARD_SHORT: dict[int, tuple[HopperForwardTile, int, int]] = {
     64: (HopperForwardTile(128, 2, 2, 240, 24, 168), 2048, 3072),
+    # D 128 under a causal mask below 1024 queries: 64-key blocks in three slots, so that the diagonal blocks carry
+    # less masked work. Against the 128-key tile (H100, public calls, 5 interleaved rounds): 1.06-1.17x at S 256-900
+    # (D 96 S 512 1.18x), 1.00x at S 1024, 0.90-0.91x from S 2048, and 0.88-0.97x on full attention at S 512-1024
+    # (record ``attention-forward-d128-short-causal-2026-11-26.txt``)
+    128: (HopperForwardTile(64, 3, 2, 240, 24, 168, split_96=True), 0, 1024),
 }
 
 
