@@ -280,8 +280,9 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
     matter (1 in the table)."""
     if programs < HOPPER_MIN_PROGRAMS_PER_SM[block_d] * sms:
         return False
-    least = HOPPER_FORWARD_MIN_LENGTH_FULL.get(block_d, HOPPER_FORWARD_MIN_LENGTH[block_d]) if full else \
-        HOPPER_FORWARD_MIN_LENGTH[block_d]
+    least = HOPPER_FORWARD_MIN_LENGTH[block_d]
+    if full:
+        least = HOPPER_FORWARD_MIN_LENGTH_FULL.get(block_d, least)
     return sq >= least and sk >= least
 
 
