@@ -59,8 +59,8 @@ Trade-offs: masks are applied at run time per key block (a uniform branch), so b
 or the end of K pay for the compare-and-select and interior blocks do not; the registers leave room for one
 program per SM, so without persistence a short program's prologue and epilogue run alone (why short causal and
 D 64 sequences and small grids stay on the portable kernel); no ping-pong barrier between the consumers
-(measured: no gain), and every exp2 on the special-function unit (moving part of them to a polynomial on the FMA
-pipe measured slower).
+(measured, ordered by mbarriers or by named barriers: no gain), and every exp2 on the special-function unit (moving
+part of them to a polynomial on the FMA pipe measured slower).
 """
 
 from triton.experimental import gluon
