@@ -60,7 +60,9 @@ or the end of K pay for the compare-and-select and interior blocks do not; the r
 program per SM, so without persistence a short program's prologue and epilogue run alone (why short causal and
 D 64 sequences and small grids stay on the portable kernel); no ping-pong barrier between the consumers
 (measured, ordered by mbarriers or by named barriers: no gain), and every exp2 on the special-function unit (moving
-part of them to a polynomial on the FMA pipe measured slower).
+part of them to a polynomial on the FMA pipe measured slower). Row maxima and sums go by column halves (a tree, not
+one dependent chain per row) only on the two-consumer D 64 tile without a band, the one tile where that measured
+faster (1.01-1.025x at B16 H32 S 1024-1536; other tiles -4% to +3%, run to run).
 """
 
 from triton.experimental import gluon
@@ -257,23 +259,76 @@ def _masked_scores(s, rows, n0, Sk, lo_shift, hi_shift, s_layout: gl.constexpr, 
 
 
 @gluon.jit
+def _column_halves(x):
+    """``x``'s two column halves, ``(x[:, :C/2], x[:, C/2:])``: in a wgmma accumulator a thread holds both halves of
+    its columns, so no data moves."""
+    rows: gl.constexpr = x.shape[0]
+    half: gl.constexpr = x.shape[1] // 2
+    return gl.split(gl.permute(gl.reshape(x, [rows, 2, half]), [0, 2, 1]))
+
+
+@gluon.constexpr_function
+def _register_halvings(columns):
+    """How many times a wgmma accumulator's columns halve while the halves stay in each thread's registers: down
+    to 8 columns (beyond, a column bit is a lane's)."""
+    return max(columns.bit_length() - 4, 0)
+
+
+@gluon.jit
+def _row_max_tree(x):
+    """Row maxima of ``x``: elementwise maxima of column halves, then the short in-thread chain and the shuffles.
+    A plain ``gl.max`` is one dependent chain per row (31 FMNMX at 128 columns)."""
+    for _ in gl.static_range(_register_halvings(x.shape[1])):
+        lo, hi = _column_halves(x)
+        x = gl.maximum(lo, hi)
+    return gl.max(x, axis=1)
+
+
+@gluon.jit
+def _row_sum_tree(x):
+    """Row sums of ``x``, likewise."""
+    for _ in gl.static_range(_register_halvings(x.shape[1])):
+        lo, hi = _column_halves(x)
+        x = lo + hi
+    return gl.sum(x, axis=1)
+
+
+@gluon.jit
+def _row_max(x, TREE: gl.constexpr):
+    """Row maxima of the accumulator ``x``, by halves (``_row_max_tree``) or as one chain per row."""
+    if TREE:
+        return gl.convert_layout(_row_max_tree(x), gl.SliceLayout(1, x.type.layout))  # the same layout: no code
+    return gl.max(x, axis=1)
+
+
+@gluon.jit
+def _row_sum(x, TREE: gl.constexpr):
+    """Row sums of the accumulator ``x``, likewise."""
+    if TREE:
+        return gl.convert_layout(_row_sum_tree(x), gl.SliceLayout(1, x.type.layout))
+    return gl.sum(x, axis=1)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, rows, n0, full_lo, full_hi, Sk, lo_shift, hi_shift, scale_log2,
-                  s_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Online-softmax update for one block of raw scores: ``(p, alpha, m_new, l_new)``, base 2."""
+                  s_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
+                  TREE: gl.constexpr):
+    """Online-softmax update for one block of raw scores: ``(p, alpha, m_new, l_new)``, base 2; ``TREE``: the row
+    maximum and sum by halves (``_row_max_tree``)."""
     if (n0 < full_lo) | (n0 >= full_hi):
         s = _masked_scores(s * scale_log2, rows, n0, Sk, lo_shift, hi_shift, s_layout, HAS_LEFT, HAS_RIGHT, BLOCK_N)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_new = gl.maximum(m_i, _row_max(s, TREE))
         # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_safe, 1))
     else:
         # every row sees the whole block: scale the row maximum instead of each score (scale >= 0, rounding is
         # monotonic), which leaves one fused multiply-add per score in front of exp2
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+        m_new = gl.maximum(m_i, _row_max(s, TREE) * scale_log2)
         m_safe = m_new
         p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_safe)
-    l_new = l_i * alpha + gl.sum(p, axis=1)
+    l_new = l_i * alpha + _row_sum(p, TREE)
     return p, alpha, m_new, l_new
 
 
@@ -340,6 +395,10 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
         acc = gl.zeros([HALF_M, BLOCK_D], gl.float32, layout=o_layout)
     # wgmma groups that P V adds while S is waited for
     PV_GROUPS: gl.constexpr = 2 if D_SPLIT else 1
+    # row maxima and sums by halves: 1.01-1.025x on the two-consumer D 64 tile without a band at B16 H32 S 1024-1536
+    # (bf16 and fp16; 0.99-1.01x on smaller grids); elsewhere -4% to +3% from shape to shape and run to run, so one
+    # chain per row there
+    TREE: gl.constexpr = BLOCK_D == 64 and CONSUMERS == 2 and not (HAS_LEFT or HAS_RIGHT)
     n_blocks = gl.cdiv(own_end - start, BLOCK_N)
     # waited for even with nothing to compute, so that the producer's next load of this Q slot follows this one
     mbarrier.wait(q_ready.index(HALF), tile & 1)
@@ -351,7 +410,7 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start, full_lo, full_hi, Sk, lo_shift, hi_shift,
-                                           scale_log2, s_layout, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+                                           scale_log2, s_layout, HAS_LEFT, HAS_RIGHT, BLOCK_N, TREE)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for i in range(1, n_blocks):
             prev = (block + i - 1) % STAGES
@@ -370,7 +429,7 @@ def _consume_tile(buffers, tiling, out, bh, pid_m, block, tile, HALF: gl.constex
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, rows, start + i * BLOCK_N, full_lo, full_hi, Sk,
                                                lo_shift, hi_shift, scale_log2, s_layout, HAS_LEFT, HAS_RIGHT,
-                                               BLOCK_N)
+                                               BLOCK_N, TREE)
             if D_SPLIT:
                 acc_lo, acc_hi, p_lo, p_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi, p_lo, p_hi))
                 mbarrier.arrive(v_empty.index(prev), count=1)
