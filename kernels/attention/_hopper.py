@@ -260,8 +260,8 @@ def _masked_scores(s, rows, n0, Sk, lo_shift, hi_shift, s_layout: gl.constexpr, 
 
 @gluon.jit
 def _column_halves(x):
-    """``x``'s two column halves, ``(x[:, :C/2], x[:, C/2:])``: in a wgmma accumulator a thread holds both halves of
-    its columns, so no data moves."""
+    """``x``'s two column halves, ``(x[:, :C/2], x[:, C/2:])``: in a wgmma accumulator these are separate registers
+    of each thread, so no data moves (used by the backward kernels too)."""
     rows: gl.constexpr = x.shape[0]
     half: gl.constexpr = x.shape[1] // 2
     return gl.split(gl.permute(gl.reshape(x, [rows, 2, half]), [0, 2, 1]))

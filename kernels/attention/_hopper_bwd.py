@@ -100,6 +100,7 @@ from kernels._common.philox_gluon import philox_key as _philox_key
 from kernels.attention import _kernels as _portable
 from kernels.attention._hopper import (
     _add_product_in_parts,
+    _column_halves,
     _over_head_dim,
     register_operand,
     warpgroup_accumulator,
@@ -308,7 +309,7 @@ def _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, H
     dq = warpgroup_mma_wait(0, deps=(dq,)) * scale
     if PARTS == 2:
         # 32-column parts are separate registers of the accumulator layout: the split moves no data
-        first, second = gl.split(gl.permute(gl.reshape(dq, [BLOCK_M, 2, DQ_TILE_COLS]), (0, 2, 1)))
+        first, second = _column_halves(dq)
         dq_smem.index(FIRST_TILE).reshape([BLOCK_M, DQ_TILE_COLS]).store(first)
         dq_smem.index(FIRST_TILE + 1).reshape([BLOCK_M, DQ_TILE_COLS]).store(second)
     else:

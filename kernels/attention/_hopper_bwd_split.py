@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.attention._hopper import warpgroup_accumulator
+from kernels.attention._hopper import _column_halves, warpgroup_accumulator
 from kernels.attention._hopper_bwd import (
     DQ_TILE_COLS,
     _band_kept,
@@ -110,13 +110,6 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
                                             do_smem.index(2 * slot + half))
         _stage_query_stats(lse_ptr, delta_ptr, stride_lb, stride_lh, lse_smem.index(slot), delta_smem.index(slot),
                            stats_ready.index(slot), b, h, m0, Sq)
-
-
-@gluon.jit
-def _split_columns(t, COLUMNS: gl.constexpr):
-    """``t`` (rows x 2 COLUMNS) as its two column halves; in the wgmma accumulator layout these are separate registers
-    of each thread, so nothing moves."""
-    return gl.split(gl.permute(gl.reshape(t, [t.shape[0], 2, COLUMNS]), (0, 2, 1)))
 
 
 @gluon.jit
@@ -207,9 +200,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
             mbarrier.arrive(tiles_read.index(0), count=1)
             dq = dq * scale
-            first, second = _split_columns(dq, COLS // 2)
-            parts01 = _split_columns(first, DQ_TILE_COLS)
-            parts23 = _split_columns(second, DQ_TILE_COLS)
+            first, second = _column_halves(dq)
+            parts01 = _column_halves(first)
+            parts23 = _column_halves(second)
             mbarrier.wait(tiles_read.index(0), i & 1)
             for j in gl.static_range(2):
                 staging.index(slot * DQ_PARTS + j).reshape([BLOCK_M, DQ_TILE_COLS]).store(parts01[j])
