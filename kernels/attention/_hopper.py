@@ -275,38 +275,26 @@ def _register_halvings(columns):
 
 
 @gluon.jit
-def _row_max_tree(x):
-    """Row maxima of ``x``: elementwise maxima of column halves, then the short in-thread chain and the shuffles.
-    A plain ``gl.max`` is one dependent chain per row (31 FMNMX at 128 columns)."""
-    for _ in gl.static_range(_register_halvings(x.shape[1])):
-        lo, hi = _column_halves(x)
-        x = gl.maximum(lo, hi)
-    return gl.max(x, axis=1)
-
-
-@gluon.jit
-def _row_sum_tree(x):
-    """Row sums of ``x``, likewise."""
-    for _ in gl.static_range(_register_halvings(x.shape[1])):
-        lo, hi = _column_halves(x)
-        x = lo + hi
-    return gl.sum(x, axis=1)
-
-
-@gluon.jit
 def _row_max(x, TREE: gl.constexpr):
-    """Row maxima of the accumulator ``x``, by halves (``_row_max_tree``) or as one chain per row."""
+    """Row maxima of the accumulator ``x``. ``TREE``: elementwise maxima of column halves first, then the short
+    in-thread chain and the shuffles; a plain ``gl.max`` is one dependent chain per row (31 FMNMX at 128 columns)."""
+    y = x
     if TREE:
-        return gl.convert_layout(_row_max_tree(x), gl.SliceLayout(1, x.type.layout))  # the same layout: no code
-    return gl.max(x, axis=1)
+        for _ in gl.static_range(_register_halvings(x.shape[1])):
+            lo, hi = _column_halves(y)
+            y = gl.maximum(lo, hi)
+    return gl.convert_layout(gl.max(y, axis=1), gl.SliceLayout(1, x.type.layout))  # the same layout: no code
 
 
 @gluon.jit
 def _row_sum(x, TREE: gl.constexpr):
     """Row sums of the accumulator ``x``, likewise."""
+    y = x
     if TREE:
-        return gl.convert_layout(_row_sum_tree(x), gl.SliceLayout(1, x.type.layout))
-    return gl.sum(x, axis=1)
+        for _ in gl.static_range(_register_halvings(x.shape[1])):
+            lo, hi = _column_halves(y)
+            y = lo + hi
+    return gl.convert_layout(gl.sum(y, axis=1), gl.SliceLayout(1, x.type.layout))
 
 
 @gluon.jit
@@ -314,7 +302,7 @@ def _softmax_step(s, m_i, l_i, rows, n0, full_lo, full_hi, Sk, lo_shift, hi_shif
                   s_layout: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr,
                   TREE: gl.constexpr):
     """Online-softmax update for one block of raw scores: ``(p, alpha, m_new, l_new)``, base 2; ``TREE``: the row
-    maximum and sum by halves (``_row_max_tree``)."""
+    maximum and sum by column halves (``_row_max``)."""
     if (n0 < full_lo) | (n0 >= full_hi):
         s = _masked_scores(s * scale_log2, rows, n0, Sk, lo_shift, hi_shift, s_layout, HAS_LEFT, HAS_RIGHT, BLOCK_N)
         m_new = gl.maximum(m_i, _row_max(s, TREE))
