@@ -5,7 +5,7 @@
     python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
         [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward | --backward-only]
         [--dropout P [--no-check]] [--hopper-dq DIMS] [--hopper-tile KERNEL:D:BLOCK_N,STAGES[,FIELD=N] ...]
-        [--group G] [--shape B,HQ,HKV,SQ,SK ...] [--path P ...]
+        [--group G] [--shape B,HQ,HKV,SQ,SK ...] [--path P ...] [--peer cudnn|flash|efficient ...]
     python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
 
 Make the baseline first, e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py``; ``-`` as
@@ -17,7 +17,8 @@ variant whose Hopper backward computes dQ by its kernel of its own at exactly th
 whose Hopper forward (``fwd``), dQ kernel (``dq``) or backward (``bwd``; its key block stays 128) takes another key
 block and ring depth at padded head dim D, and other fields of its tile by name (``fwd:256:64,2,o_in_q=1``,
 ``bwd:128:128,2,split_96=0``; ``configs.hopper_tiles``; a field ``path=hopper`` also forces that kernel path);
-``--path P`` a variant on kernel path P.
+``--path P`` a variant on kernel path P; ``--peer B`` times SDPA on backend B beside them (forward, or forward +
+backward with ``--backward``), so that a ratio to it comes from the same rounds.
 Variants alternate within each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is
 10-17%, a side by side difference is not). Each variant's outputs must match the first's (``--no-check`` skips
 that, for a baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
@@ -100,7 +101,8 @@ def _all(*managers):
         yield
 
 
-def _timed(variants, run, rounds: int, label: str, check_outputs: bool = True) -> dict[str, float]:
+def _timed(variants, run, rounds: int, label: str, check_outputs: bool = True,
+           peers: dict[str, Callable[[], object]] | None = None) -> dict[str, float]:
     first = next(iter(variants))
     with variants[first]():
         reference = [t.float() for t in run()]
@@ -121,7 +123,31 @@ def _timed(variants, run, rounds: int, label: str, check_outputs: bool = True) -
                 return run()
         return go
 
-    return interleaved_medians({name: runner(name) for name in variants}, rounds, check=check, label=label)
+    runs = {name: runner(name) for name in variants}
+    runs.update(peers or {})
+    return interleaved_medians(runs, rounds, check=lambda name: name in variants and check(name), label=label)
+
+
+def _sdpa_peers(args, q, k, v, do, causal: bool) -> dict[str, Callable[[], object]]:
+    """``--peer`` runs: SDPA on each named backend, the same call as the variants' (forward, or forward + backward
+    with ``--backward``; a GQA call repeats K and V's heads in the timed call, as a user of SDPA would)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    group = q.shape[1] // k.shape[1]
+    qg, kg, vg = (t.clone().requires_grad_(args.backward) for t in (q, k, v))
+
+    def call(backend):
+        with sdpa_kernel(backends[backend]):
+            kk, vv = (kg, vg) if group == 1 else (kg.repeat_interleave(group, 1), vg.repeat_interleave(group, 1))
+            out = F.scaled_dot_product_attention(qg, kk, vv, is_causal=causal, dropout_p=args.dropout)
+            if args.backward:
+                return torch.autograd.grad(out, (qg, kg, vg), do)
+            return (out,)
+
+    return {f"sdpa-{backend}": lambda backend=backend: call(backend) for backend in args.peer}
 
 
 def _attention(args, variants) -> None:
@@ -155,7 +181,8 @@ def _attention(args, variants) -> None:
                     run = lambda: (flash_attention(q, k, v, causal=causal, **drop),)
                 size = f"B{b} H{h}/{hkv} Sq{sq} Sk{sk}" if args.shape else f"S={sq}"
                 label = f"D={d} {size} {'causal' if causal else 'full'}"
-                medians = _timed(variants, run, args.rounds, label, not args.no_check)
+                peers = {} if args.backward_only else _sdpa_peers(args, q, k, v, do, causal)
+                medians = _timed(variants, run, args.rounds, label, not args.no_check, peers)
                 _print(label, medians, {name: flops / ms / 1e9 for name, ms in medians.items()}, "TFLOP/s")
 
 
@@ -213,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="attention: time these shapes (repeatable) instead of the --lengths grid")
     parser.add_argument("--path", action="append", default=[], choices=("auto", "hopper", "portable"),
                         help="attention: a variant that runs on this kernel path (repeatable)")
+    parser.add_argument("--peer", action="append", default=[], choices=("cudnn", "flash", "efficient"),
+                        help="attention: time SDPA on this backend beside the variants (repeatable)")
     parser.add_argument("--group", type=int, default=1, help="attention: query heads per key/value head (GQA)")
     parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
     args = parser.parse_args(argv)

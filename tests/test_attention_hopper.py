@@ -108,16 +108,20 @@ def test_hopper_forward_equals_the_portable_kernel_and_is_no_worse_than_torch(ca
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("which", ["short", "table"])
+@pytest.mark.parametrize("which", ["short", "short-causal", "table"])
 @pytest.mark.parametrize("case", [c for c in HOPPER_CASES if 32 < c[5] <= 128], ids=str)
-def test_both_forward_tiles_of_a_head_dim_equal_the_portable_kernel(case, which):
-    """Head dims 64 and 128 have two Hopper forward tiles each (``configs.hopper_forward_tile``: at D 64 two
-    persistent consumers for shorter calls and three one program per tile for the others, at D 128 64-key blocks for
-    short causal calls and 128-key blocks for the others); each is forced on every case of its head dim here."""
+def test_every_forward_tile_of_a_head_dim_equals_the_portable_kernel(case, which):
+    """Head dims 64 and 128 have several Hopper forward tiles (``configs.hopper_forward_tile``: at D 64 one consumer
+    per program for shorter causal calls, two persistent consumers for other shorter calls and three one program per
+    tile for the rest, at D 128 64-key blocks for short causal calls and 128-key blocks for the others); each is
+    forced on every case of its head dim here (bands, GQA, Sq != Sk and strided views included)."""
     *dims, causal, window, dtype, layout = case
     q, k, v = _qkv(*dims, dtype, layout)
     bd = configs.block_d(dims[-1])
-    tile = configs.HOPPER_FORWARD_SHORT[bd][0] if which == "short" else configs.HOPPER_FORWARD[bd]
+    tables = {"short": configs.HOPPER_FORWARD_SHORT, "short-causal": configs.HOPPER_FORWARD_SHORT_CAUSAL}
+    if which in tables and bd not in tables[which]:
+        pytest.skip(f"head dim {bd} has no {which} tile")
+    tile = tables[which][bd][0] if which in tables else configs.HOPPER_FORWARD[bd]
     with configs.forced_path("hopper"), configs.hopper_tiles(forward={bd: tile}):
         o, lse = flash_attention(q, k, v, causal=causal, window_size=window, return_lse=True)
     with configs.forced_path("portable"):
@@ -398,6 +402,21 @@ def test_auto_takes_the_hopper_forward_from_its_head_dims_programs_per_sm_and_le
     assert configs.prefers_hopper_forward(64, 264, 132, full, full, full=True)
     assert not configs.prefers_hopper_forward(64, 264, 132, full, full)
     assert not configs.prefers_hopper_forward(64, 264, 132, full - 1, 8192, full=True)
+    # calls on the short causal tile: every grid and length it applies to
+    assert configs.prefers_hopper_forward(64, 1, 132, 256, 256, short_causal=True)
+
+
+def test_shorter_causal_head_dim_64_calls_take_one_consumer_per_program():
+    tile, least, below = configs.HOPPER_FORWARD_SHORT_CAUSAL[64]
+    assert tile.consumers == 1 and tile.query_rows == 64 and not tile.persistent
+    for sq, sk in ((least, least), (below - 1, below - 1), (least, below - 1)):
+        assert configs.hopper_forward_tile(64, sq, right=0, sk=sk) == tile
+    two_consumers = configs.HOPPER_FORWARD_SHORT[64][0]
+    for sq, sk in ((least - 1, least), (below, below), (1000, below)):  # outside the measured lengths
+        assert configs.hopper_forward_tile(64, sq, right=0, sk=sk) == two_consumers
+    assert configs.hopper_forward_tile(64, 1000, sk=1000) == two_consumers  # full attention
+    assert configs.hopper_forward_tile(64, 1000, left=0, right=0, sk=1000) == configs.HOPPER_FORWARD[64]  # left edge
+    assert configs.hopper_forward_tile(64, 1000, right=0) == tile  # keys as many as queries when not given
 
 
 def test_short_causal_head_dim_128_calls_take_64_key_blocks():
@@ -455,8 +474,10 @@ def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():
         assert ops.uses_hopper_forward(*big) and ops.uses_hopper_forward(*narrow_long)
         assert ops.uses_hopper_forward(*one_wave)
         assert not ops.uses_hopper_forward(*small)
-        # head dim 64 at S 1024: full attention on the two-consumer tile, causal on the portable kernel
-        assert ops.uses_hopper_forward(*narrow_short) and not ops.uses_hopper_forward(*narrow_short, right=0)
+        # head dim 64 at S 1024: full attention on the two-consumer tile, causal on the one-consumer tile; a sliding
+        # window (a left edge) on the portable kernel
+        assert ops.uses_hopper_forward(*narrow_short) and ops.uses_hopper_forward(*narrow_short, right=0)
+        assert not ops.uses_hopper_forward(*narrow_short, left=256, right=0)
     with configs.forced_path("hopper"):
         assert ops.uses_hopper_forward(*small) and ops.uses_hopper_forward(*narrow_short)
 

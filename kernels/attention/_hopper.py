@@ -5,7 +5,8 @@ Implements the same forward as ``_attn_fwd_kernel`` (``kernels/attention/_kernel
 ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (causal: RIGHT = 0), GQA/MQA, Sq != Sk, any
 (batch, head, sequence) strides. The portable kernel stays the readable version and runs everywhere else.
 
-Schedule (one program = 64 query rows per consumer warpgroup, two or three consumers, of one (batch, query head)):
+Schedule (one program = 64 query rows per consumer warpgroup, one, two or three consumers, of one (batch, query
+head)):
 - a **producer** warp issues TMA loads: each consumer's 64-row part of the Q tile once, then each K and V block
   into a ring of ``STAGES`` shared-memory slots. Each slot has a "ready" mbarrier (the TMA transaction
   count completes it) and an "empty" one (every consumer arrives once it has read it). K and V have
@@ -17,7 +18,8 @@ Schedule (one program = 64 query rows per consumer warpgroup, two or three consu
 - inside a consumer, the softmax of block j overlaps the tensor cores: Q K_j^T is issued, then P_{j-1}
   V_{j-1} is issued with P_{j-1} in registers (no shared-memory round trip), and only then does the warp
   group wait for the first and compute exp2 on block j while the second still runs.
-- register budget (``configs.HOPPER_FORWARD``): the producer warpgroup gives its registers back (24 per thread)
+- register budget (``configs.HOPPER_FORWARD``): the producer warpgroup (one warp working, Triton's register
+  reallocation works by warpgroups) gives its registers back (24 per thread)
   and the consumers share the rest: at D 128 two consumers of 240 (two 64 x 128 fp32 accumulators, S and O, and
   P), at D 64 three of 160 (S 64 x 128, O 64 x 64, P), because at D 64 two consumers leave the tensor cores
   waiting on the softmax and a third warpgroup fills that time; at D 256 two of 240 with 64-key blocks (O 64 x 256
@@ -38,16 +40,21 @@ Schedule (one program = 64 query rows per consumer warpgroup, two or three consu
   160 registers (104 bytes; 204 paired), so D 64 runs three consumers one program per tile, except on shorter calls
   without a left edge (full attention below 2048 queries, causal below 3072: ``configs.HOPPER_FORWARD_SHORT``),
   which take two persistent consumers of 240 registers: there a program is too short for its prologue and epilogue
-  to hide, and the 192-row tiles leave a 1024-row head's last tile a third full (1.01-1.08x three there). At D 128,
-  causal calls below 1024 queries take 64-key blocks in three slots, whose diagonal blocks carry half the masked work
-  (1.06-1.17x the 128-key blocks there).
+  to hide, and the 192-row tiles leave a 1024-row head's last tile a third full (1.01-1.08x three there). Shorter
+  causal calls at D 64 (256-2047 queries and keys, ``configs.HOPPER_FORWARD_SHORT_CAUSAL``) take one consumer of 64
+  rows per program and 64-key blocks under a cap of 80 registers (the consumer takes 136 from the producer's
+  warpgroup), so that three programs share an SM and the hardware interleaves them as it does a program's
+  consumers: 1.02-1.04x the portable kernel, where the 128-row tiles trailed it (a 64-row tile's walk is half as
+  long, and its diagonal block the only masked one). At D 128, causal calls below 1024 queries take 64-key blocks
+  in three slots, whose diagonal blocks carry half the masked work (1.06-1.17x the 128-key blocks there).
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
 and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33-256; the TMA box pads with
 zeros and clips the store), no dropout, no packed batches (under torch.compile it runs inside an opaque op,
 ``fused_kernels::flash_attn_fwd_gluon``). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
 (``configs.prefers_hopper_forward``: the default path takes grids from half a program per SM at D 128, every grid
-at D 256, and at D 64 grids of two tiles per SM or more from S 2048, full attention from S 1024); the backward has
+at D 256, and at D 64 grids of two tiles per SM or more from S 2048, full attention from S 1024, causal calls on
+the one-consumer tile at any grid); the backward has
 its own kernels (``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
 
 Head dims 65-96 (``D_SPLIT``, ``split_96`` in ``configs.HOPPER_FORWARD``): their tiles are 128 columns wide (TMA
@@ -542,6 +549,12 @@ def _attn_fwd_hopper_kernel(
                          PERSISTENT, PAIRED, O_IN_Q, D_SPLIT)),
             (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT, PAIRED)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    elif CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (buffers, tiling, out, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,
+                         PERSISTENT, PAIRED, O_IN_Q, D_SPLIT)),
+            (_producer, (loads, tiling, HAS_LEFT, HAS_RIGHT, BLOCK_N, STAGES, CONSUMERS, PERSISTENT, PAIRED)),
+        ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (buffers, tiling, out, FIRST, HAS_LEFT, HAS_RIGHT, BLOCK_N, BLOCK_D, STAGES, CONSUMERS,

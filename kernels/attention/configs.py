@@ -148,7 +148,7 @@ PATHS = KERNEL_PATHS
 class HopperForwardTile(NamedTuple):
     block_n: int  # keys per block
     stages: int  # K/V shared-memory ring slots
-    consumers: int  # 64-row consumer warpgroups per program (2 or 3): the query tile is 64 * consumers rows
+    consumers: int  # 64-row consumer warpgroups per program (1, 2 or 3): the query tile is 64 * consumers rows
     consumer_regs: int  # registers per thread of each consumer warpgroup (setmaxnreg)
     producer_regs: int  # of the TMA producer warpgroup
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
@@ -254,10 +254,42 @@ HOPPER_FORWARD_SHORT: dict[int, tuple[HopperForwardTile, int, int]] = {
 }
 
 
-def hopper_forward_tile(block_d: int, sq: int, left: int = -1, right: int = -1) -> HopperForwardTile:
-    """The Hopper forward's tile for a call with padded head dim ``block_d``, ``sq`` queries and band edges ``left``,
-    ``right`` (-1: none): the short tile of :data:`HOPPER_FORWARD_SHORT` where one applies, else
-    :data:`HOPPER_FORWARD`'s."""
+#: Shorter calls under a causal mask (a right band edge alone) at these padded head dims: ``(tile, least, below)``,
+#: both lengths in ``[least, below)``. At D 64 one consumer warpgroup of 64 rows per program and 64-key blocks, one
+#: program per tile, O staged in the Q tile; the kernel's cap of 80 registers (the consumer takes 136 from the
+#: producer's warpgroup) and 41 KiB of shared memory leave room for three programs per SM, which overlap each other's
+#: softmax, prologue and epilogue the way the consumers of one program do, and a 64-row tile's walk is half as long
+#: as a 128-row tile's. H100, bf16, public calls, 5 interleaved rounds, TFLOP/s against the default path before (the
+#: portable kernel at these lengths) and SDPA-cuDNN in the same rounds: S 256 146 against 141 (cuDNN 171), S 512 228
+#: against 219 (256), S 768 269 against 260 (296), S 1024 302 against 291 (335), S 1536 329 against 321 (363), at
+#: B·S 16k H 32; B8 H16 S 1024 263 against 256, B4 H16 S 512 110 against 107 (111 against 112 in another run), B2 H16
+#: S 1024 162 against 163. At S 2048 the two-consumer tile is faster (352 against 329), and so is it on full
+#: attention (S 1024: 405 against 367): a 64-row tile loads each K/V block for half as many rows. At S 1024 a cap of
+#: 128 (two programs per SM) ran 0.83x this tile, 128-key blocks (two programs: they need more than 136 registers)
+#: 0.88x, a cap of 64 (four programs, spilling) 0.96-1.01x, three ring slots 0.98-0.99x (record
+#: ``attention-forward-one-consumer-2026-11-26.txt``).
+HOPPER_FORWARD_SHORT_CAUSAL: dict[int, tuple[HopperForwardTile, int, int]] = {
+    64: (HopperForwardTile(64, 2, 1, 136, 24, 80, persistent=False, o_in_q=True), 256, 2048),
+}
+
+
+def _short_causal_tile(block_d: int, sq: int, sk: int, left: int, right: int) -> HopperForwardTile | None:
+    """The tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL` for this call, or None where it does not apply."""
+    entry = HOPPER_FORWARD_SHORT_CAUSAL.get(block_d)
+    if entry is None or left >= 0 or right < 0:
+        return None
+    tile, least, below = entry
+    return tile if least <= sq < below and least <= sk < below else None
+
+
+def hopper_forward_tile(block_d: int, sq: int, left: int = -1, right: int = -1, sk: int | None = None
+                        ) -> HopperForwardTile:
+    """The Hopper forward's tile for a call with padded head dim ``block_d``, ``sq`` queries, ``sk`` keys (None: as
+    many as queries) and band edges ``left``, ``right`` (-1: none): the tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL`
+    or :data:`HOPPER_FORWARD_SHORT` where one applies, else :data:`HOPPER_FORWARD`'s."""
+    short_causal = _short_causal_tile(block_d, sq, sq if sk is None else sk, left, right)
+    if short_causal is not None:
+        return short_causal
     short = HOPPER_FORWARD_SHORT.get(block_d)
     if short is not None and left < 0:
         tile, full_below, right_edge_below = short
@@ -266,7 +298,8 @@ def hopper_forward_tile(block_d: int, sq: int, left: int = -1, right: int = -1) 
     return HOPPER_FORWARD[block_d]
 
 
-def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: int, full: bool = False) -> bool:
+def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: int, full: bool = False,
+                           short_causal: bool = False) -> bool:
     """Whether ``auto`` runs a supported forward call (padded head dim ``block_d``, ``programs`` Hopper tiles on
     ``sms`` SMs, lengths ``sq`` and ``sk``; ``full``: no band edge) on the Hopper kernel: on a grid of at least
     :data:`HOPPER_MIN_PROGRAMS_PER_SM` tiles per SM for its head dim, with Sq and Sk both reaching
@@ -277,7 +310,10 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
     a program is short enough that its prologue and epilogue, with one program per SM, weigh. Full attention at
     S 1024 takes the persistent two-consumer tile instead (:data:`HOPPER_FORWARD_SHORT`): 1.00-1.06x the portable
     forward; under a causal mask that tile still trails it there (0.92-0.95x). At D 128 and 256 the length does not
-    matter (1 in the table)."""
+    matter (1 in the table). ``short_causal``: the call takes the tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL`, which
+    every grid and length it applies to measured at or above the portable kernel."""
+    if short_causal:
+        return True
     if programs < HOPPER_MIN_PROGRAMS_PER_SM[block_d] * sms:
         return False
     least = HOPPER_FORWARD_MIN_LENGTH[block_d]
@@ -518,7 +554,7 @@ _HOPPER_TABLE_STATES: dict[tuple, int] = {}
 def _hopper_tables_changed() -> None:
     global hopper_tables_version
     state = (HOPPER_BACKWARD_DQ, tuple(HOPPER_FORWARD.items()), tuple(HOPPER_FORWARD_SHORT.items()),
-             tuple(HOPPER_DQ.items()), tuple(HOPPER_BACKWARD.items()))
+             tuple(HOPPER_FORWARD_SHORT_CAUSAL.items()), tuple(HOPPER_DQ.items()), tuple(HOPPER_BACKWARD.items()))
     hopper_tables_version = _HOPPER_TABLE_STATES.setdefault(state, len(_HOPPER_TABLE_STATES))
 
 
@@ -551,19 +587,21 @@ def hopper_tiles(forward: dict[int, HopperForwardTile] | None = None,
                  backward: dict[int, HopperBackwardTile] | None = None) -> Iterator[None]:
     """Inside the block, the Hopper forward, dQ and backward kernels take these tiles at these padded head dims
     (entries of :data:`HOPPER_FORWARD`, :data:`HOPPER_DQ` and :data:`HOPPER_BACKWARD`): for tools that time a tile
-    against the table's. A forward tile given here serves every length of its head dim (its short tile of
-    :data:`HOPPER_FORWARD_SHORT` steps aside)."""
-    saved = dict(HOPPER_FORWARD), dict(HOPPER_FORWARD_SHORT), dict(HOPPER_DQ), dict(HOPPER_BACKWARD)
+    against the table's. A forward tile given here serves every length of its head dim (its short tiles of
+    :data:`HOPPER_FORWARD_SHORT` and :data:`HOPPER_FORWARD_SHORT_CAUSAL` step aside)."""
+    saved = (dict(HOPPER_FORWARD), dict(HOPPER_FORWARD_SHORT), dict(HOPPER_FORWARD_SHORT_CAUSAL), dict(HOPPER_DQ),
+             dict(HOPPER_BACKWARD))
     HOPPER_FORWARD.update(forward or {})
     for d in forward or {}:
         HOPPER_FORWARD_SHORT.pop(d, None)
+        HOPPER_FORWARD_SHORT_CAUSAL.pop(d, None)
     HOPPER_DQ.update(dq or {})
     HOPPER_BACKWARD.update(backward or {})
     _hopper_tables_changed()
     try:
         yield
     finally:
-        tables = (HOPPER_FORWARD, HOPPER_FORWARD_SHORT, HOPPER_DQ, HOPPER_BACKWARD)
+        tables = (HOPPER_FORWARD, HOPPER_FORWARD_SHORT, HOPPER_FORWARD_SHORT_CAUSAL, HOPPER_DQ, HOPPER_BACKWARD)
         for table, before in zip(tables, saved, strict=True):
             table.clear()
             table.update(before)
