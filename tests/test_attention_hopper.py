@@ -402,8 +402,14 @@ def test_auto_takes_the_hopper_forward_from_its_head_dims_programs_per_sm_and_le
     assert configs.prefers_hopper_forward(64, 264, 132, full, full, full=True)
     assert not configs.prefers_hopper_forward(64, 264, 132, full, full)
     assert not configs.prefers_hopper_forward(64, 264, 132, full - 1, 8192, full=True)
-    # calls on the short causal tile: every grid and length it applies to
-    assert configs.prefers_hopper_forward(64, 1, 132, 256, 256, short_causal=True)
+    # causal calls on the one-consumer tile: every grid and length it applies to; on the paired two-consumer tile:
+    # every grid from its least length
+    below = configs.HOPPER_FORWARD_SHORT[64][2]
+    assert configs.prefers_hopper_forward(64, 1, 132, 256, 256, causal=True)
+    assert configs.prefers_hopper_forward(64, 1, 132, least, least, causal=True)
+    assert configs.prefers_hopper_forward(64, 1, 132, below - 1, below - 1, causal=True)
+    assert not configs.prefers_hopper_forward(64, 1, 132, below, below, causal=True)  # three consumers
+    assert not configs.prefers_hopper_forward(64, 1, 132, least, least)  # not causal: the grid bound holds
 
 
 def test_shorter_causal_head_dim_64_calls_take_one_consumer_per_program():
@@ -470,7 +476,10 @@ def test_auto_path_takes_the_hopper_forward_where_it_is_preferred():
     one_wave = _qkv(1, 32, 32, 512, 8192, 128, torch.bfloat16)  # 128 programs: about one per SM (114-132 SMs)
     narrow_long = _qkv(2, 32, 32, 2048, 2048, 64, torch.bfloat16)  # 704 programs of 192 rows
     narrow_short = _qkv(8, 32, 32, 1024, 1024, 64, torch.bfloat16)
+    narrow_few = _qkv(1, 16, 16, 2048, 2048, 64, torch.bfloat16)  # 256 programs of 128 rows: under two per SM
     with configs.forced_path("auto"):
+        # head dim 64 on a small grid: causal calls on the paired tile, full attention on the portable kernel
+        assert ops.uses_hopper_forward(*narrow_few, right=0) and not ops.uses_hopper_forward(*narrow_few)
         assert ops.uses_hopper_forward(*big) and ops.uses_hopper_forward(*narrow_long)
         assert ops.uses_hopper_forward(*one_wave)
         assert not ops.uses_hopper_forward(*small)

@@ -298,8 +298,19 @@ def hopper_forward_tile(block_d: int, sq: int, left: int = -1, right: int = -1, 
     return HOPPER_FORWARD[block_d]
 
 
+#: Padded head dims at which ``auto`` takes the Hopper forward on every grid for calls under a causal mask (a right
+#: band edge alone) that take the paired persistent tile of :data:`HOPPER_FORWARD_SHORT`: its work items are pairs
+#: of a head's longest and shortest query blocks, which keep every program equally busy however few there are, where
+#: the portable kernel's programs of unequal length leave SMs idle. H100, public calls, 5 interleaved rounds, Hopper /
+#: portable (bf16, fp16), D 64 at 0.12-1.94 programs per SM: B1 H16 S 2048 1.485x / 1.489x, H8 1.096x / 1.113x, H4
+#: 1.093x / 1.121x, H2 1.075x / 1.085x, B1 H12 S 2560 1.53x / 1.57x, B1 H8 S 3000 1.56x / 1.55x (record
+#: ``attention-forward-one-consumer-2026-11-26.txt``). Full attention on that tile keeps the grid bound (B1 H16 S 1024
+#: 0.855x, S 2048 0.76x).
+HOPPER_FORWARD_PAIRED_ANY_GRID: frozenset[int] = frozenset({64})
+
+
 def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: int, full: bool = False,
-                           short_causal: bool = False) -> bool:
+                           causal: bool = False) -> bool:
     """Whether ``auto`` runs a supported forward call (padded head dim ``block_d``, ``programs`` Hopper tiles on
     ``sms`` SMs, lengths ``sq`` and ``sk``; ``full``: no band edge) on the Hopper kernel: on a grid of at least
     :data:`HOPPER_MIN_PROGRAMS_PER_SM` tiles per SM for its head dim, with Sq and Sk both reaching
@@ -310,16 +321,20 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
     a program is short enough that its prologue and epilogue, with one program per SM, weigh. Full attention at
     S 1024 takes the persistent two-consumer tile instead (:data:`HOPPER_FORWARD_SHORT`): 1.00-1.06x the portable
     forward; under a causal mask that tile still trails it there (0.92-0.95x). At D 128 and 256 the length does not
-    matter (1 in the table). ``short_causal``: the call takes the tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL`, which
-    every grid and length it applies to measured at or above the portable kernel."""
-    if short_causal:
+    matter (1 in the table). ``causal``: a right band edge alone. Such calls on the tile of
+    :data:`HOPPER_FORWARD_SHORT_CAUSAL` take it at every grid and length it applies to (each measured at or above the
+    portable kernel), and on the paired tile of :data:`HOPPER_FORWARD_SHORT` at every grid where the head dim is in
+    :data:`HOPPER_FORWARD_PAIRED_ANY_GRID`."""
+    if causal and _short_causal_tile(block_d, sq, sk, -1, 0) is not None:
         return True
-    if programs < HOPPER_MIN_PROGRAMS_PER_SM[block_d] * sms:
-        return False
     least = HOPPER_FORWARD_MIN_LENGTH[block_d]
     if full:
         least = HOPPER_FORWARD_MIN_LENGTH_FULL.get(block_d, least)
-    return sq >= least and sk >= least
+    if sq < least or sk < least:
+        return False
+    paired = causal and block_d in HOPPER_FORWARD_PAIRED_ANY_GRID and hopper_forward_tile(block_d, sq, -1, 0, sk) == (
+        HOPPER_FORWARD_SHORT.get(block_d, (None,))[0])
+    return paired or programs >= HOPPER_MIN_PROGRAMS_PER_SM[block_d] * sms
 
 
 #: Tiles of the Hopper dQ kernel (``_hopper_bwd_dq.py``: 128 query rows per program in two consumers, the K/V

@@ -202,10 +202,10 @@ def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
         return False
     if path == "hopper":
         return True
-    tile = configs.hopper_forward_tile(bd, q.shape[2], left, right, k.shape[2])
-    programs = cdiv(q.shape[2], tile.query_rows) * q.shape[0] * q.shape[1]
+    rows = configs.hopper_forward_tile(bd, q.shape[2], left, right, k.shape[2]).query_rows
+    programs = cdiv(q.shape[2], rows) * q.shape[0] * q.shape[1]
     return configs.prefers_hopper_forward(bd, programs, configs.sm_count(q.device), q.shape[2], k.shape[2],
-                                          full=left < 0 and right < 0, short_causal=tile.consumers == 1)
+                                          full=left < 0 and right < 0, causal=left < 0 and right >= 0)
 
 
 _GLUON_DTYPES = {torch.float16: _hopper.gl.float16, torch.bfloat16: _hopper.gl.bfloat16}
