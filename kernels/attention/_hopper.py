@@ -53,8 +53,9 @@ and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33
 zeros and clips the store), no dropout, no packed batches (under torch.compile it runs inside an opaque op,
 ``fused_kernels::flash_attn_fwd_gluon``). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
 (``configs.prefers_hopper_forward``: the default path takes grids from half a program per SM at D 128, every grid
-at D 256, and at D 64 grids of two tiles per SM or more from S 2048, full attention from S 1024, causal calls
-below 3072 queries at any grid, from 256 queries and keys); the backward has
+at D 256, and at D 64 grids of two tiles per SM or more from S 2048, full attention from S 1024, and causal calls
+on any grid where both lengths are 256-2047 (one consumer) or the queries 2048-3071 (the paired tile)); the backward
+has
 its own kernels (``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
 
 Head dims 65-96 (``D_SPLIT``, ``split_96`` in ``configs.HOPPER_FORWARD``): their tiles are 128 columns wide (TMA
