@@ -332,8 +332,9 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
         least = HOPPER_FORWARD_MIN_LENGTH_FULL.get(block_d, least)
     if sq < least or sk < least:
         return False
-    paired = causal and block_d in HOPPER_FORWARD_PAIRED_ANY_GRID and hopper_forward_tile(block_d, sq, -1, 0, sk) == (
-        HOPPER_FORWARD_SHORT.get(block_d, (None,))[0])
+    short = HOPPER_FORWARD_SHORT.get(block_d)
+    paired = (causal and block_d in HOPPER_FORWARD_PAIRED_ANY_GRID and short is not None
+              and hopper_forward_tile(block_d, sq, -1, 0, sk) == short[0])
     return paired or programs >= HOPPER_MIN_PROGRAMS_PER_SM[block_d] * sms
 
 
