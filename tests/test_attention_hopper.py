@@ -446,7 +446,9 @@ def test_short_head_dim_64_calls_without_a_left_edge_take_the_two_consumer_tile(
     other = configs.HOPPER_FORWARD[64]._replace(stages=3)
     with configs.hopper_tiles(forward={64: other}):
         assert configs.hopper_forward_tile(64, 100) == other
+        assert configs.hopper_forward_tile(64, 1000, right=0) == other  # the one-consumer tile steps aside too
     assert configs.hopper_forward_tile(64, 100) == short
+    assert configs.hopper_forward_tile(64, 1000, right=0) == configs.HOPPER_FORWARD_SHORT_CAUSAL[64][0]
 
 
 def test_an_eager_backward_decides_its_kernel_path_once_per_signature_and_alignment(monkeypatch):

@@ -31,6 +31,28 @@ def test_every_tool_prints_its_usage(tool):
     assert "usage" in done.stdout.lower() or "Knobs" in done.stdout, done.stdout[:500]
 
 
+def test_ab_kernels_times_peers_beside_the_variants_and_checks_only_the_variants():
+    """``--peer`` runs (SDPA backends) join the interleaved rounds under their own names; only the variants' outputs
+    are compared with the first variant's (a peer computes the same attention by other means)."""
+    import contextlib
+
+    import torch
+
+    from scripts import ab_kernels
+
+    calls = []
+    out = torch.ones(3)
+
+    def peer():
+        calls.append("peer")
+        return (out + 1,)  # would fail the check
+
+    medians = ab_kernels._timed({"this": contextlib.nullcontext}, lambda: (out,), rounds=2, label="t",
+                                peers={"sdpa-x": peer})
+    assert set(medians) == {"this", "sdpa-x"} and all(ms >= 0 for ms in medians.values())
+    assert len(calls) >= 3  # once before the rounds, then once per round
+
+
 def test_ab_kernels_variants_set_what_they_name_and_restore_it():
     """Each attention variant of ``scripts.ab_kernels`` changes the configuration it names inside its block (path,
     tile fields) and nothing after it."""
