@@ -44,9 +44,10 @@ head)):
   causal calls at D 64 (256-2047 queries and keys, ``configs.HOPPER_FORWARD_SHORT_CAUSAL``) take one consumer of 64
   rows per program and 64-key blocks under a cap of 80 registers (the consumer takes 136 from the producer's
   warpgroup), so that three programs share an SM and the hardware interleaves them as it does a program's
-  consumers: 1.02-1.04x the portable kernel, where the 128-row tiles trailed it (a 64-row tile's walk is half as
-  long, and its diagonal block the only masked one). At D 128, causal calls below 1024 queries take 64-key blocks
-  in three slots, whose diagonal blocks carry half the masked work (1.06-1.17x the 128-key blocks there).
+  consumers: 1.02-1.05x the portable kernel at B·S 16k tokens (0.99-1.03x at B4 H16 S 512), where the 128-row tiles
+  trailed it (a 64-row tile's walk is half as long, and its diagonal block the only masked one). At D 128, causal
+  calls below 1024 queries take 64-key blocks in three slots, whose diagonal blocks carry half the masked work
+  (1.06-1.17x the 128-key blocks there).
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
 and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33-256; the TMA box pads with
