@@ -36,6 +36,7 @@ import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 from collections.abc import Callable
 
@@ -131,23 +132,20 @@ def _timed(variants, run, rounds: int, label: str, check_outputs: bool = True,
 def _sdpa_peers(args, q, k, v, do, causal: bool) -> dict[str, Callable[[], object]]:
     """``--peer`` runs: SDPA on each named backend, the same call as the variants' (forward, or forward + backward
     with ``--backward``; a GQA call repeats K and V's heads in the timed call, as a user of SDPA would)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from benchmarks._peers import sdpa_attention
 
-    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION}
     group = q.shape[1] // k.shape[1]
     qg, kg, vg = (t.clone().requires_grad_(args.backward) for t in (q, k, v))
 
-    def call(backend):
-        with sdpa_kernel(backends[backend]):
-            kk, vv = (kg, vg) if group == 1 else (kg.repeat_interleave(group, 1), vg.repeat_interleave(group, 1))
-            out = F.scaled_dot_product_attention(qg, kk, vv, is_causal=causal, dropout_p=args.dropout)
-            if args.backward:
-                return torch.autograd.grad(out, (qg, kg, vg), do)
-            return (out,)
+    def call(attention):
+        kk, vv = (kg, vg) if group == 1 else (kg.repeat_interleave(group, 1), vg.repeat_interleave(group, 1))
+        out = attention(qg, kk, vv)
+        if args.backward:
+            return torch.autograd.grad(out, (qg, kg, vg), do)
+        return (out,)
 
-    return {f"sdpa-{backend}": lambda backend=backend: call(backend) for backend in args.peer}
+    attentions = {f"sdpa-{backend}": sdpa_attention(f"sdpa-{backend}", causal, args.dropout) for backend in args.peer}
+    return {name: functools.partial(call, attention) for name, attention in attentions.items()}
 
 
 def _attention(args, variants) -> None:
