@@ -7,6 +7,13 @@ dim 64; 8 layers, d_model 2048, 16 heads, seq 2048, batch 4: head dim 128) and t
 (4 layers, d_model 512, 8 heads, seq 256, batch 16). The two backends of a point train in ``ROUNDS``
 alternating runs; ``ms`` is the median over runs of each run's median step time after ``WARMUP`` steps.
 
+``TIMING`` (``FUSED_KERNELS_MODEL_TIMING``) picks how steps are timed (``examples.gpt.train``): "pipelined" (the
+default) trains as a trainer that reads its losses later does, the host queueing the next step while the GPU runs
+this one, and times each step by CUDA events at successive step starts; "synchronized" waits for the GPU before and
+after each step and times it on the host, so every step pays the host's time to queue its first kernels and the
+GPU's to finish its last ones on top of whichever of the two is longer. Each record's shape says which
+(``step_timing``).
+
 FLOPs (for TFLOP/s and the fraction of the matmul ceiling, i.e. model FLOPs utilisation): per token
 ``6 * parameters + 6 * layers * seq * d_model`` (the causal attention scores and P·V, forward and backward).
 Extras per record: ``tokens_per_s``, and ``loss_last`` (mean loss of the last five steps of the last run:
@@ -33,6 +40,9 @@ STEPS = 4 if SMOKE else int(os.environ.get("FUSED_KERNELS_MODEL_STEPS", "30"))
 WARMUP = 1 if SMOKE else 10  # compile, autotuning and allocator warm-up stay out of the median
 ROUNDS = 1 if SMOKE else int(os.environ.get("FUSED_KERNELS_MODEL_ROUNDS", "2"))
 LAST_STEPS = 5
+TIMING = os.environ.get("FUSED_KERNELS_MODEL_TIMING", "pipelined")
+if TIMING not in ("pipelined", "synchronized"):
+    raise ValueError(f"FUSED_KERNELS_MODEL_TIMING must be 'pipelined' or 'synchronized', got {TIMING!r}")
 BACKENDS = {"ours": "fused", "torch": "torch"}
 
 
@@ -55,7 +65,8 @@ def test_model(benchmark, recorder, layers, d_model, heads, seq, batch, mode, dr
                 config = GPTConfig(seq_len=seq, n_layer=layers, n_head=heads, d_model=d_model, dropout=dropout,
                                    backend=backend)
                 runs[provider].append(train(config, steps=STEPS, batch=batch, device=DEVICE, autocast_dtype=autocast,
-                                            compile_model=mode == "compile"))
+                                            compile_model=mode == "compile",
+                                            pipelined=TIMING == "pipelined"))
 
     benchmark.group = f"model {mode} dropout {dropout}"
     benchmark.pedantic(train_all, rounds=1, iterations=1)
@@ -67,7 +78,7 @@ def test_model(benchmark, recorder, layers, d_model, heads, seq, batch, mode, dr
         record = recorder.add(
             family="model", provider=provider, direction="fwd+bwd", dtype=autocast or torch.float32,
             shape={"mode": mode, "layers": layers, "d_model": d_model, "heads": heads, "seq": seq, "batch": batch,
-                   "dropout": dropout},
+                   "dropout": dropout, "step_timing": TIMING},
             ms=ms, x_key="d_model", flops=flops,
             extra={"tokens_per_s": batch * seq / (ms * 1e-3), "loss_last": sum(last) / len(last)},
         )

@@ -200,10 +200,13 @@ def _corpus_bytes() -> bytes:
 def batches(corpus: torch.Tensor, batch: int, seq_len: int, steps: int, seed: int = 0):
     """``steps`` (tokens, targets) pairs of random windows of the corpus, the same for a given ``seed``."""
     g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch,), generator=g).to(corpus.device)
-        window = starts[:, None] + torch.arange(seq_len + 1, device=corpus.device)
-        chunk = corpus[window]
+    # drawn on the host and copied to the device in one go: a copy from pageable host memory waits for the GPU, so
+    # one per step would stop the host from running ahead of the GPU
+    starts = torch.stack([torch.randint(0, corpus.numel() - seq_len - 1, (batch,), generator=g)
+                          for _ in range(steps)]).to(corpus.device)
+    offsets = torch.arange(seq_len + 1, device=corpus.device)
+    for step_starts in starts:
+        chunk = corpus[step_starts[:, None] + offsets]
         yield chunk[:, :-1], chunk[:, 1:]
 
 
@@ -228,12 +231,19 @@ def _progress(label: str, step: int, steps: int, loss: float, seconds: float, wi
 
 def train(config: GPTConfig, *, steps: int, batch: int, device, init_seed: int = 0, data_seed: int = 0,
           lr: float = 1e-3, autocast_dtype: torch.dtype | None = torch.bfloat16, compile_model: bool = False,
-          progress: bool = False) -> TrainResult:
-    """Train a fresh model for ``steps`` AdamW steps; return each step's loss and wall time.
+          progress: bool = False, pipelined: bool = False) -> TrainResult:
+    """Train a fresh model for ``steps`` AdamW steps; return each step's loss and time.
 
     ``init_seed`` fixes the initial weights and the dropout masks' generator, ``data_seed`` the batches, so
     two backends given the same seeds start from the same weights and see the same data. A step's time
-    covers forward, backward and the optimiser step, synchronised on a GPU.
+    covers forward, backward and the optimiser step.
+
+    By default each step starts and ends with an idle GPU (synchronised on both sides, timed on the host) and its
+    loss is read at once: the step's latency. ``pipelined=True`` runs the loop as a trainer that reads its losses
+    later does: nothing waits for the GPU until the last step, so the host queues the next step's kernels while the
+    GPU runs this one's, and a step's time is the GPU-side interval between CUDA events recorded at the start of
+    successive steps (the GPU's pace when the host keeps ahead, the host's when it does not). On a CPU both time
+    the host.
     """
     device = torch.device(device)
     torch.manual_seed(init_seed)
@@ -241,22 +251,43 @@ def train(config: GPTConfig, *, steps: int, batch: int, device, init_seed: int =
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     step_fn = torch.compile(model, fullgraph=True) if compile_model else model
     corpus = load_corpus(device)
-    losses, times = [], []
+    pipelined = pipelined and device.type == "cuda"
+    losses, times, step_marks = [], [], []
     use_autocast = autocast_dtype is not None
     for step, (tokens, targets) in enumerate(batches(corpus, batch, config.seq_len, steps, data_seed), 1):
-        _synchronize(device)
-        start = time.perf_counter()
+        if pipelined:
+            step_marks.append(_record_event())
+        else:
+            _synchronize(device)
+            start = time.perf_counter()
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=use_autocast):
             _, loss = step_fn(tokens, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if pipelined:
+            losses.append(loss.detach())
+            continue
         _synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
         if progress:
             _progress(config.backend, step, steps, losses[-1], times[-1])
+    if pipelined and losses:
+        step_marks.append(_record_event())
+        _synchronize(device)
+        times = [1e-3 * begin.elapsed_time(end) for begin, end in itertools.pairwise(step_marks)]
+        losses = torch.stack(losses).float().tolist()
+        if progress:
+            for step, (loss_value, seconds) in enumerate(zip(losses, times, strict=True), 1):
+                _progress(config.backend, step, steps, loss_value, seconds)
     return TrainResult(losses, times)
+
+
+def _record_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _synchronize(device: torch.device) -> None:
@@ -290,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median step time")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pipelined", action="store_true",
+                        help="let the host queue the next step while the GPU runs this one (losses read at the end); "
+                             "steps timed by CUDA events")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
@@ -303,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         results[backend] = train(config_from_arguments(args, backend), steps=args.steps, batch=args.batch,
                                  device=device, init_seed=args.seed,
                                  data_seed=args.seed, lr=args.lr, autocast_dtype=autocast_dtype,
-                                 compile_model=args.compile, progress=True)
+                                 compile_model=args.compile, progress=True, pipelined=args.pipelined)
     print(f"{'backend':>8} {'median ms/step':>15} {'tokens/s':>12} {'first loss':>11} {'last loss':>10}")
     for backend, result in results.items():
         ms = result.median_step_ms(args.warmup)

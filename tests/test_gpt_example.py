@@ -82,6 +82,16 @@ def test_dropout_makes_training_steps_differ_and_the_seed_repeats_them():
     assert _train("fused", 0.0, steps=3).losses[1:] != a.losses[1:]
 
 
+def test_pipelined_steps_train_as_synchronised_ones_and_time_every_step():
+    """The benchmark's timing (no wait for the GPU until the last step, steps timed by CUDA events; on a CPU the
+    host's clock) trains the same model on the same data: the same losses, one positive time per step."""
+    synced = _train("torch", 0.0, steps=3, autocast_dtype=None)
+    pipelined = _train("torch", 0.0, steps=3, autocast_dtype=None, pipelined=True)
+    assert len(pipelined.step_seconds) == len(pipelined.losses) == 3
+    assert all(seconds > 0 for seconds in pipelined.step_seconds)
+    torch.testing.assert_close(torch.tensor(pipelined.losses), torch.tensor(synced.losses), rtol=1e-4, atol=0)
+
+
 @pytest.mark.cuda
 def test_the_model_compiles_fullgraph_and_matches_eager():
     """All three families in one model under torch.compile(fullgraph=True): no graph break; with dropout

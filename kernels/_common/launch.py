@@ -344,8 +344,11 @@ class PreparedLaunch:
         launch(g0, g1, g2, _current_raw_stream(self._device), function, *leading, *values, *tail)
 
 
-#: encoded tensor maps kept per TMA argument of a prepared launch (addresses a caching allocator hands out again)
-_TENSOR_MAPS_PER_SLOT = 16
+#: encoded tensor maps kept per TMA argument of a prepared launch (addresses a caching allocator hands out again).
+#: A model's layers share one prepared launch per shape, and the allocator hands each slot a few dozen addresses
+#: over its steps: at 16 the maps of the GPT example (8 layers, d_model 1024) were emptied every step or two and
+#: 14-42 maps encoded again per step, at 256 none after the first steps.
+_TENSOR_MAPS_PER_SLOT = 256
 
 
 class _ExpandedTmaLaunch:
