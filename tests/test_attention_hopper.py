@@ -135,6 +135,29 @@ def test_every_forward_tile_of_a_head_dim_equals_the_portable_kernel(case, which
 @pytest.mark.cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("sq, sk", [(700, 700), (300, 700), (700, 300), (1000, 1000)], ids=str)
+def test_the_one_consumer_forward_programs_walk_several_pairs_of_tiles_three_to_an_sm(sq, sk, dtype):
+    # 64-row tiles (the last one partly past Sq) x 320 heads, paired longest with shortest: several pairs per
+    # program with three programs per SM on any Hopper GPU; with Sq 700 > Sk the first tiles see no key
+    tile = configs.HOPPER_FORWARD_SHORT_CAUSAL[64][0]
+    assert configs.hopper_forward_tile(64, sq, right=0, sk=sk) == tile
+    q, k, v = _qkv(8, 40, 8, sq, sk, 64, dtype)
+    items = ((sq + 63) // 64 + 1) // 2 * 8 * 40
+    assert items > 2 * tile.programs_per_sm * configs.sm_count(q.device)
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_forward(q, k, v, right=0)
+        o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    with configs.forced_path("portable"):
+        o_portable, lse_portable = flash_attention(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(o, o_portable, rtol=0, atol=ATOL[dtype])
+    finite = torch.isfinite(lse)
+    assert torch.equal(finite, torch.isfinite(lse_portable))
+    torch.testing.assert_close(lse[finite], lse_portable[finite], rtol=0, atol=1e-4)
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal, sq, sk", [(False, 300, 700), (True, 300, 700), (True, 700, 300)], ids=str)
 @pytest.mark.parametrize("d", [128, 256])
 def test_a_persistent_hopper_forward_program_walks_several_tiles_as_the_portable_kernel_would(causal, sq, sk, dtype,
@@ -414,7 +437,7 @@ def test_auto_takes_the_hopper_forward_from_its_head_dims_programs_per_sm_and_le
 
 def test_shorter_causal_head_dim_64_calls_take_one_consumer_per_program():
     tile, least, below = configs.HOPPER_FORWARD_SHORT_CAUSAL[64]
-    assert tile.consumers == 1 and tile.query_rows == 64 and not tile.persistent
+    assert tile.consumers == 1 and tile.query_rows == 64 and tile.persistent and tile.programs_per_sm == 3
     for sq, sk in ((least, least), (below - 1, below - 1), (least, below - 1)):
         assert configs.hopper_forward_tile(64, sq, right=0, sk=sk) == tile
     two_consumers = configs.HOPPER_FORWARD_SHORT[64][0]

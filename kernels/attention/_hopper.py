@@ -28,26 +28,28 @@ head)):
   262 KB, so O is staged in the consumer's own Q tile (``O_IN_Q``), dead once the tile's last Q K^T is done; the
   producer then loads the next tile's Q only once the O store has read it. 32-key blocks without that fit, but
   read K and Q from shared memory as fast as the tensor cores consume them (measured 1.18-1.29x slower).
-- **persistent** (``PERSISTENT``, D 128 and 256 calls without a left band edge): one program per SM takes work items
-  round robin; the K/V ring and the barrier phases run on across tiles, a consumer releases its Q rows once its last
-  Q K^T is done (the producer loads the next tile's Q while it finishes; with ``O_IN_Q`` once O has left them).
-  A static deal needs items of equal cost: without a band every tile is one; under a causal mask (a right edge
-  alone) an item is a head's i-th longest and i-th shortest query blocks together (``PAIRED``), whose key blocks add
-  up to the same count. Dealing the causal tiles singly measured 0.55-0.85x one program per tile (the programs' work
-  differed up to 2x and they drifted apart onto different heads, out of each other's K/V in L2); the pairs measured
-  1.08-1.16x of it from S 1024 to 4096 (1.00x at 16384). A left edge makes tiles differ otherwise (one program per
-  tile, balanced by the hardware's dispatch). At D 64 the persistent loop's extra state spills three consumers of
-  160 registers (104 bytes; 204 paired), so D 64 runs three consumers one program per tile, except on shorter calls
-  without a left edge (full attention below 2048 queries, causal below 3072: ``configs.HOPPER_FORWARD_SHORT``),
-  which take two persistent consumers of 240 registers: there a program is too short for its prologue and epilogue
-  to hide, and the 192-row tiles leave a 1024-row head's last tile a third full (1.01-1.08x three there). Shorter
-  causal calls at D 64 (256-2047 queries and keys, ``configs.HOPPER_FORWARD_SHORT_CAUSAL``) take one consumer of 64
-  rows per program and 64-key blocks under a cap of 80 registers (the consumer takes 136 from the producer's
-  warpgroup), so that three programs share an SM and the hardware interleaves them as it does a program's
-  consumers: 1.02-1.05x the portable kernel at B·S 16k tokens (0.99-1.03x at B4 H16 S 512), where the 128-row tiles
-  trailed it (a 64-row tile's walk is half as long, and its diagonal block the only masked one). At D 128, causal
-  calls below 1024 queries take 64-key blocks in three slots, whose diagonal blocks carry half the masked work
-  (1.06-1.17x the 128-key blocks there).
+- **persistent** (``PERSISTENT``, calls without a left band edge on every tile but D 64's three-consumer one): as
+  many programs per SM as fit (one; three of the one-consumer tile) take work items round robin; the K/V ring and
+  the barrier phases run on across tiles, a consumer releases its Q rows once its last Q K^T is done (the producer
+  loads the next tile's Q while it finishes; with ``O_IN_Q`` once O has left them). A static deal needs items of
+  equal cost: without a band every tile is one; under a causal mask (a right edge alone) an item is a head's i-th
+  longest and i-th shortest query blocks together (``PAIRED``), whose key blocks add up to the same count. Dealing
+  the causal tiles singly measured 0.55-0.85x one program per tile (the programs' work differed up to 2x and they
+  drifted apart onto different heads, out of each other's K/V in L2); the pairs measured 1.08-1.16x of it from S
+  1024 to 4096 (1.00x at 16384). A left edge makes tiles differ otherwise (one program per tile, balanced by the
+  hardware's dispatch). At D 64 the persistent loop's extra state spills three consumers of 160 registers (104
+  bytes; 204 paired), so D 64 runs three consumers one program per tile, except on shorter calls without a left edge
+  (full attention below 2048 queries, causal below 3072: ``configs.HOPPER_FORWARD_SHORT``), which take two
+  persistent consumers of 240 registers: there a program is too short for its prologue and epilogue to hide, and the
+  192-row tiles leave a 1024-row head's last tile a third full (1.01-1.08x three there). Shorter causal calls at D
+  64 (256-2047 queries and keys, ``configs.HOPPER_FORWARD_SHORT_CAUSAL``) take one consumer of 64 rows per program
+  and 64-key blocks under a cap of 80 registers (the consumer takes 136 from the producer's warpgroup), so that
+  three programs share an SM and the hardware interleaves them as it does a program's consumers: 1.02-1.05x the
+  portable kernel at B·S 16k tokens (0.99-1.03x at B4 H16 S 512), where the 128-row tiles trailed it (a 64-row
+  tile's walk is half as long, and its diagonal block the only masked one); persistent, three programs per SM
+  walking paired tiles, 1.04-1.20x one program per tile (0.99-1.00x where the pairs come 2.6 to a program). At D
+  128, causal calls below 1024 queries take 64-key blocks in three slots, whose diagonal blocks carry half the
+  masked work (1.06-1.17x the 128-key blocks there).
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
 and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33-256; the TMA box pads with
@@ -64,14 +66,14 @@ fills the rest with zeros), and Q K^T and P V run over the 96 columns that count
 shared-memory tiles (a quarter less tensor work; O in 96 registers per thread, not 128): 1.03-1.09x the 128 columns
 at D 96 (H100, S 1024-4096, causal and not).
 
-Trade-offs: masks are applied at run time per key block (a uniform branch), so blocks crossing a band edge
-or the end of K pay for the compare-and-select and interior blocks do not; the registers leave room for one
-program per SM, so without persistence a short program's prologue and epilogue run alone (why short causal and
-D 64 sequences and small grids stay on the portable kernel); no ping-pong barrier between the consumers
-(measured, ordered by mbarriers or by named barriers: no gain), and every exp2 on the special-function unit (moving
-part of them to a polynomial on the FMA pipe measured slower). Row maxima and sums go by column halves (a tree, not
-one dependent chain per row) only on the two-consumer D 64 tile without a band, the one tile where that measured
-faster (1.01-1.025x at B16 H32 S 1024-1536; other tiles -4% to +3%, run to run).
+Trade-offs: masks are applied at run time per key block (a uniform branch), so blocks crossing a band edge or the
+end of K pay for the compare-and-select and interior blocks do not; the registers of the two- and three-consumer
+tiles leave room for one program per SM, so without persistence a short program's prologue and epilogue run alone
+(why short causal and D 64 sequences and small grids stay on the portable kernel); no ping-pong barrier between the
+consumers (measured, ordered by mbarriers or by named barriers: no gain), and every exp2 on the special-function
+unit (moving part of them to a polynomial on the FMA pipe measured slower). Row maxima and sums go by column halves
+(a tree, not one dependent chain per row) only on the two-consumer D 64 tile without a band, the one tile where that
+measured faster (1.01-1.025x at B16 H32 S 1024-1536; other tiles -4% to +3%, run to run).
 """
 
 from triton.experimental import gluon

@@ -152,7 +152,8 @@ class HopperForwardTile(NamedTuple):
     consumer_regs: int  # registers per thread of each consumer warpgroup (setmaxnreg)
     producer_regs: int  # of the TMA producer warpgroup
     maxnreg: int  # the kernel's register cap, from which the default partition's share follows
-    persistent: bool = True  # calls without a left band edge: one program per SM walking the tiles (else one per tile)
+    # calls without a left band edge: persistent programs (as many per SM as fit) walking the tiles (else one per tile)
+    persistent: bool = True
     o_in_q: bool = False  # O is staged for its TMA store in the consumer's Q tile (else in a tile of its own)
     # head dims 65-96 (a 128-column tile): Q K^T and P V over their 96 columns as 64 + 32
     split_96: bool = False
@@ -160,6 +161,13 @@ class HopperForwardTile(NamedTuple):
     @property
     def query_rows(self) -> int:
         return 64 * self.consumers
+
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs of this tile that an SM holds at once, by registers: the cap times 128 threads per warpgroup,
+        the consumers' and the producer's (Triton pads the producer warp to a warpgroup). A persistent launch
+        starts that many per SM; the shared memory of every tile here allows as many."""
+        return max(1, 65536 // (self.maxnreg * 128 * (self.consumers + 1)))
 
 
 #: Hopper forward tiles by padded head dim: S and O accumulators (64 x BLOCK_N and 64 x D fp32 per warpgroup)
@@ -205,7 +213,8 @@ class HopperBackwardTile(NamedTuple):
 #: against 40, which leaves the consumers 232) and 40 at D 128 (1.09-1.12x against 56: the consumer spills less).
 HOPPER_BACKWARD: dict[int, HopperBackwardTile] = {
     64: HopperBackwardTile(2, 240, 24, 168, True, dropout_consumer_regs=224, dropout_producer_regs=56),
-    # at D 128 a whole dQ tile would not fit: 64 more fp32 registers per thread, 32 KiB more shared memory. Head
+    # at D 128 a whole dQ tile would not fit: 64 more fp32 registers per thread, 32 KiB more shared memory; by turns
+    # as two 64-column products it ran 0.85-0.91x (H100, bf16, S 1024-16384; ptxas spilled 344 bytes). Head
     # dims 65-96 over 64 + 32 columns (split_96): forward + backward 1.10-1.15x the whole 128-column tile at D 96
     # (H100, bf16, S 1024-4096, causal and not)
     128: HopperBackwardTile(2, 240, 24, 168, False, dropout_consumer_regs=232, dropout_producer_regs=40,
@@ -255,21 +264,26 @@ HOPPER_FORWARD_SHORT: dict[int, tuple[HopperForwardTile, int, int]] = {
 
 
 #: Shorter calls under a causal mask (a right band edge alone) at these padded head dims: ``(tile, least, below)``,
-#: both lengths in ``[least, below)``. At D 64 one consumer warpgroup of 64 rows per program and 64-key blocks, one
-#: program per tile, O staged in the Q tile; the kernel's cap of 80 registers (the consumer takes 136 from the
-#: producer's warpgroup) and 41 KiB of shared memory leave room for three programs per SM, which overlap each other's
-#: softmax, prologue and epilogue the way the consumers of one program do, and a 64-row tile's walk is half as long
-#: as a 128-row tile's. H100, bf16, public calls, 5 interleaved rounds, TFLOP/s against the default path before (the
-#: portable kernel at these lengths) and SDPA-cuDNN in the same rounds: S 256 146 against 141 (cuDNN 171), S 512 228
-#: against 219 (256), S 768 269 against 260 (296), S 1024 302 against 291 (335), S 1536 329 against 321 (363), at
-#: B·S 16k H 32; B8 H16 S 1024 263 against 256, B4 H16 S 512 110 against 107 (111 against 112 in another run), B2 H16
-#: S 1024 162 against 163. At S 2048 the two-consumer tile is faster (352 against 329), and so is it on full
-#: attention (S 1024: 405 against 367): a 64-row tile loads each K/V block for half as many rows. At S 1024 a cap of
-#: 128 (two programs per SM) ran 0.83x this tile, 128-key blocks (two programs: they need more than 136 registers)
-#: 0.88x, a cap of 64 (four programs, spilling) 0.96-1.01x, three ring slots 0.98-0.99x (record
-#: ``attention-forward-one-consumer-2026-11-26.txt``).
+#: both lengths in ``[least, below)``. At D 64 one consumer warpgroup of 64 rows per program and 64-key blocks, O
+#: staged in the Q tile; the kernel's cap of 80 registers (the consumer takes 136 from the producer's warpgroup) and
+#: 41 KiB of shared memory leave room for three programs per SM, which overlap each other's softmax, prologue and
+#: epilogue the way the consumers of one program do, and a 64-row tile's walk is half as long as a 128-row tile's.
+#: Persistent, three programs per SM, each walking pairs of a head's i-th longest and i-th shortest tiles: against
+#: one program per tile (H100, bf16, public calls, 5 interleaved rounds, causal) 1.05x at B16 H32 S 1024 (316
+#: against 302 TFLOP/s; cuDNN 328), 1.07x at B16 H16, 1.04x at B4 H32 S 2000, 1.11x at B4 H16 S 512 and 1.20x at B2
+#: H16 S 1024 (fewer pairs than programs: each takes one, where single tiles left SMs idle), 0.99-1.00x where the
+#: pairs are 2.6 per program (B8 H16 S 1024, B32 H16 S 256: some programs walk three, others two) (record
+#: ``attention-forward-one-consumer-persistent-2026-11-26.txt``). One program per tile, against the default path
+#: before it (the portable kernel at these lengths) and SDPA-cuDNN in the same rounds, TFLOP/s: S 256 146 against
+#: 141 (cuDNN 171), S 512 228 against 219 (256), S 768 269 against 260 (296), S 1024 302 against 291 (335), S 1536
+#: 329 against 321 (363), at B·S 16k H 32; B8 H16 S 1024 263 against 256, B4 H16 S 512 110 against 107 (111 against
+#: 112 in another run), B2 H16 S 1024 162 against 163. At S 2048 the two-consumer tile is faster (352 against 329),
+#: and so is it on full attention (S 1024: 405 against 367): a 64-row tile loads each K/V block for half as many
+#: rows. At S 1024 a cap of 128 (two programs per SM) ran 0.83x this tile, 128-key blocks (two programs: they need
+#: more than 136 registers) 0.88x, a cap of 64 (four programs, spilling) 0.96-1.01x, three ring slots 0.98-0.99x
+#: (record ``attention-forward-one-consumer-2026-11-26.txt``).
 HOPPER_FORWARD_SHORT_CAUSAL: dict[int, tuple[HopperForwardTile, int, int]] = {
-    64: (HopperForwardTile(64, 2, 1, 136, 24, 80, persistent=False, o_in_q=True), 256, 2048),
+    64: (HopperForwardTile(64, 2, 1, 136, 24, 80, o_in_q=True), 256, 2048),
 }
 
 

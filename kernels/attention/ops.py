@@ -235,14 +235,15 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     q_block, kv_block = (1, 1, _hopper.CONSUMER_ROWS, bd), (1, 1, t.block_n, bd)
     band, band_flags = _band(left, right)
     tiles_m = cdiv(sq, t.query_rows)
-    # one program per SM walking the work items in turn overlaps a tile's epilogue with the next one's loads. The
+    # persistent programs (as many per SM as fit: one, three for the one-consumer tile) walking the work items in
+    # turn overlap a tile's epilogue with the next one's loads. The
     # items must cost the same for that static deal: without a band every tile does; under a causal mask (or a
     # right edge alone) a head's i-th longest and i-th shortest query blocks together do (PAIRED). A left edge
     # leaves tiles that differ otherwise: one program per tile, balanced by the hardware's dispatch.
     persistent = t.persistent and not band_flags["HAS_LEFT"]
     paired = persistent and band_flags["HAS_RIGHT"]
     items = (cdiv(tiles_m, 2) if paired else tiles_m) * b * hq
-    grid = (min(items, configs.sm_count(q.device)) if persistent else tiles_m * b * hq,)
+    grid = (min(items, t.programs_per_sm * configs.sm_count(q.device)) if persistent else tiles_m * b * hq,)
     kernel_for(_hopper._attn_fwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block), _descriptor(o, q_block),
         lse, lse.stride(0), lse.stride(1), b, hq, hq // hkv, sq, sk, scale * 1.4426950408889634, *band, **band_flags,
