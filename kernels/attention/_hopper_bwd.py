@@ -56,7 +56,7 @@ and the base 16-byte aligned), padded head dims 64 and 128 (256 has ``_hopper_bw
 
 Speed: on an H100 (bf16 and fp16, public calls) without dropout 1.14-1.22x the portable backward at D 128 from Sk 512
 on (1.05x causal at S 512) and 1.02-1.15x at D 64 from S 1024 on (0.99-1.03x causal at S 1024); on the benchmark
-table 0.94-1.006x cuDNN at D 128 and 0.98-1.05x at D 64. With
+table 0.93-1.00x cuDNN at D 128 and 0.99-1.06x at D 64. With
 dropout 0.1 1.08-1.51x the portable backward (D 128 from S 512, D 64 from S 1024; taken before the producer drew the
 masks) and 1.00-1.13x cuDNN at S 4096. The default path takes it from those lengths on
 (``configs.prefers_hopper_backward``). Each consumer waits on every wgmma it issues, so nothing overlaps the softmax
