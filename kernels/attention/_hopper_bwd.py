@@ -60,11 +60,11 @@ table 0.93-1.00x cuDNN at D 128 and 0.99-1.06x at D 64. With
 dropout 0.1 1.08-1.51x the portable backward (D 128 from S 512, D 64 from S 1024; taken before the producer drew the
 masks) and 1.00-1.13x cuDNN at S 4096. The default path takes it from those lengths on
 (``configs.prefers_hopper_backward``). Each consumer waits on every wgmma it issues, so nothing overlaps the softmax
-inside a warpgroup; issuing dP^T before P^T is computed (0.95-1.02x), computing dQ one query block late so that
-the consumers need not wait on each other (0.95-1.00x), dQ by turns at D 128 as two 64-column products (0.85-0.91x;
-ptxas spilled 344 bytes) and issuing the next block's S^T before the dQ product
-(0.86-0.98x at D 64-96; spills at D 128) were measured and not kept. At D 128 the consumer spills 72
-bytes without dropout and 168 with.
+inside a warpgroup; issuing dP^T before P^T is computed (0.95-1.02x), computing dQ one query block late so that the
+consumers need not wait on each other (0.95-1.00x), dQ by turns at D 128 as two 64-column products (0.85-0.91x;
+ptxas spilled 344 bytes), a branch that skips the query blocks none of a consumer's keys see (0.93-1.00x) and
+issuing the next block's S^T before the dQ product (0.86-0.98x at D 64-96; spills at D 128) were measured and not
+kept. At D 128 the consumer spills 72 bytes without dropout and 168 with.
 
 Head dims 65-96 (``D_SPLIT``, ``split_96`` in ``configs.HOPPER_BACKWARD``): their tiles are 128 columns wide (TMA
 fills the rest with zeros), and every product runs over the 96 columns that count, as 64 + 32 column slices of the
