@@ -264,26 +264,28 @@ HOPPER_FORWARD_SHORT: dict[int, tuple[HopperForwardTile, int, int]] = {
 
 
 #: Shorter calls under a causal mask (a right band edge alone) at these padded head dims: ``(tile, least, below)``,
-#: both lengths in ``[least, below)``. At D 64 one consumer warpgroup of 64 rows per program and 64-key blocks, O
-#: staged in the Q tile; the kernel's cap of 80 registers (the consumer takes 136 from the producer's warpgroup) and
-#: 41 KiB of shared memory leave room for three programs per SM, which overlap each other's softmax, prologue and
-#: epilogue the way the consumers of one program do, and a 64-row tile's walk is half as long as a 128-row tile's.
-#: Persistent, three programs per SM, each walking pairs of a head's i-th longest and i-th shortest tiles: against
-#: one program per tile (H100, bf16, public calls, 5 interleaved rounds, causal) 1.05x at B16 H32 S 1024 (316
-#: against 302 TFLOP/s; cuDNN 328), 1.07x at B16 H16, 1.04x at B4 H32 S 2000, 1.11x at B4 H16 S 512 and 1.20x at B2
-#: H16 S 1024 (fewer pairs than programs: each takes one, where single tiles left SMs idle), 0.99-1.00x where the
-#: pairs are 2.6 per program (B8 H16 S 1024, B32 H16 S 256: some programs walk three, others two) (record
-#: ``attention-forward-one-consumer-persistent-2026-11-26.txt``). One program per tile, against the default path
-#: before it (the portable kernel at these lengths) and SDPA-cuDNN in the same rounds, TFLOP/s: S 256 146 against
-#: 141 (cuDNN 171), S 512 228 against 219 (256), S 768 269 against 260 (296), S 1024 302 against 291 (335), S 1536
-#: 329 against 321 (363), at B·S 16k H 32; B8 H16 S 1024 263 against 256, B4 H16 S 512 110 against 107 (111 against
-#: 112 in another run), B2 H16 S 1024 162 against 163. At S 2048 the two-consumer tile is faster (352 against 329),
-#: and so is it on full attention (S 1024: 405 against 367): a 64-row tile loads each K/V block for half as many
-#: rows. At S 1024 a cap of 128 (two programs per SM) ran 0.83x this tile, 128-key blocks (two programs: they need
-#: more than 136 registers) 0.88x, a cap of 64 (four programs, spilling) 0.96-1.01x, three ring slots 0.98-0.99x
-#: (record ``attention-forward-one-consumer-2026-11-26.txt``).
+#: both lengths in ``[least, below)``. At D 64 one consumer warpgroup of 64 rows per program and 64-key blocks; the
+#: kernel's cap of 80 registers (the consumer takes 136 from the producer's warpgroup) and 49 KiB of shared memory
+#: leave room for three programs per SM, which overlap each other's softmax, prologue and epilogue the way the
+#: consumers of one program do, and a 64-row tile's walk is half as long as a 128-row tile's. Persistent, three
+#: programs per SM, each walking pairs of a head's i-th longest and i-th shortest tiles: against one program per
+#: tile (H100, bf16, public calls, 5 interleaved rounds, causal) 1.05x at B16 H32 S 1024 (316 against 302 TFLOP/s;
+#: cuDNN 328), 1.07x at B16 H16, 1.04x at B4 H32 S 2000, 1.11x at B4 H16 S 512 and 1.20x at B2 H16 S 1024 (fewer
+#: pairs than programs: each takes one, where single tiles left SMs idle), 0.99-1.00x where the pairs are 2.6 per
+#: program (B8 H16 S 1024, B32 H16 S 256: some programs walk three, others two) (record
+#: ``attention-forward-one-consumer-persistent-2026-11-26.txt``). O in a tile of its own rather than staged in the Q
+#: tile (8 KiB more), so that the producer loads the next tile's Q while O leaves: 1.01-1.03x at S 1024, 1.04x at S
+#: 512, 1.03x at S 768, 0.99x at S 1536, 1.00-1.01x at S 2000 (persistent both, bf16 and fp16, same record). One
+#: program per tile, O staged in Q, against the default path before it (the portable kernel at these lengths) and
+#: SDPA-cuDNN in the same rounds, TFLOP/s: S 256 146 against 141 (cuDNN 171), S 512 228 against 219 (256), S 768 269
+#: against 260 (296), S 1024 302 against 291 (335), S 1536 329 against 321 (363), at B·S 16k H 32; B8 H16 S 1024 263
+#: against 256, B4 H16 S 512 110 against 107 (111 against 112 in another run), B2 H16 S 1024 162 against 163. At S
+#: 2048 the two-consumer tile is faster (352 against 329), and so is it on full attention (S 1024: 405 against 367):
+#: a 64-row tile loads each K/V block for half as many rows. At S 1024 a cap of 128 (two programs per SM) ran 0.83x
+#: this tile, 128-key blocks (two programs: they need more than 136 registers) 0.88x, a cap of 64 (four programs,
+#: spilling) 0.96-1.01x, three ring slots 0.98-0.99x (record ``attention-forward-one-consumer-2026-11-26.txt``).
 HOPPER_FORWARD_SHORT_CAUSAL: dict[int, tuple[HopperForwardTile, int, int]] = {
-    64: (HopperForwardTile(64, 2, 1, 136, 24, 80, o_in_q=True), 256, 2048),
+    64: (HopperForwardTile(64, 2, 1, 136, 24, 80), 256, 2048),
 }
 
 
