@@ -236,10 +236,10 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     band, band_flags = _band(left, right)
     tiles_m = cdiv(sq, t.query_rows)
     # persistent programs (as many per SM as fit: one, three for the one-consumer tile) walking the work items in
-    # turn overlap a tile's epilogue with the next one's loads. The
-    # items must cost the same for that static deal: without a band every tile does; under a causal mask (or a
-    # right edge alone) a head's i-th longest and i-th shortest query blocks together do (PAIRED). A left edge
-    # leaves tiles that differ otherwise: one program per tile, balanced by the hardware's dispatch.
+    # turn overlap a tile's epilogue with the next one's loads. The items must cost the same for that static deal:
+    # without a band every tile does; under a causal mask (or a right edge alone) a head's i-th longest and i-th
+    # shortest query blocks together do (PAIRED). A left edge leaves tiles that differ otherwise: one program per
+    # tile, balanced by the hardware's dispatch.
     persistent = t.persistent and not band_flags["HAS_LEFT"]
     paired = persistent and band_flags["HAS_RIGHT"]
     items = (cdiv(tiles_m, 2) if paired else tiles_m) * b * hq
