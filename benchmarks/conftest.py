@@ -7,12 +7,15 @@ in smoke mode (see ``benchmarks/_harness.py``).
 
 from __future__ import annotations
 
+import kernels._mode  # noqa: F401  (first: chooses CUDA or the interpreter before anything imports triton)
+
+# isort: split
+
 import statistics
 
 import pytest
-import torch._dynamo
+import torch._dynamo  # imports triton
 
-import kernels._mode  # noqa: F401  (chooses CUDA or the interpreter before triton is imported)
 from benchmarks import _harness
 
 _STATE: dict = {}

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +121,16 @@ def test_graph_ms_times_separate_instances_of_the_work():
     ms = harness.graph_ms(make_run, touched_bytes=touched)
     assert ms >= 0.0
     assert len(built) == expected and set(calls) == set(built)
+
+
+def test_the_bench_suite_chooses_the_test_mode_before_anything_imports_triton():
+    """``nox -s bench`` on a machine without a GPU runs pytest over ``benchmarks/`` without ``TRITON_INTERPRET`` set:
+    the suite's first import must be ``kernels._mode``, which switches the interpreter on before triton loads (an
+    import of torch._dynamo, say, loads triton). Collected in a fresh process, in interpreter mode."""
+    env = {name: value for name, value in os.environ.items() if name not in ("TRITON_INTERPRET", "FK_TEST_SHARD")}
+    env["FUSED_KERNELS_TEST_MODE"] = "interpreter"
+    done = subprocess.run([sys.executable, "-m", "pytest", "benchmarks", "--collect-only", "-q", "-p",
+                           "no:cacheprovider"], cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "triton was imported before the test mode was chosen" not in done.stdout + done.stderr
