@@ -3,8 +3,9 @@ anything imports triton. Import it first; ``kernels/__init__.py`` imports nothin
 
 - ``cuda``: a CUDA GPU is present. Kernels compile for it; the full shape and dtype grid runs.
 - ``interpreter``: no GPU. ``TRITON_INTERPRET=1`` is set here, before triton is imported, so every
-  ``@triton.jit`` kernel runs in the Triton interpreter on CPU tensors; shapes are small, bf16 is left
-  out (numpy has no bf16) and tests marked ``cuda`` are skipped.
+  ``@triton.jit`` kernel runs in the Triton interpreter on CPU tensors; shapes are small and tests marked
+  ``cuda`` are skipped. bf16 is tested too: the launchers run the interpreter's bf16 matrix products in fp32
+  (numpy has no bf16; ``kernels._common.runtime.interpreter_needs_fp32``).
 
 ``FUSED_KERNELS_TEST_MODE=interpreter`` forces the interpreter on a GPU machine (as does an explicit
 ``TRITON_INTERPRET=1``); ``FUSED_KERNELS_TEST_MODE=cuda`` on a machine without a GPU is an error.
@@ -47,8 +48,5 @@ def by_mode(*, interpreter, cuda):
     return interpreter if INTERPRETER else cuda
 
 
-#: floating dtypes each mode can test (numpy, behind the interpreter, has no bfloat16)
-FLOAT_DTYPES = by_mode(
-    interpreter=(torch.float16, torch.float32),
-    cuda=(torch.float16, torch.bfloat16, torch.float32),
-)
+#: the floating dtypes the kernels take, tested in both modes
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -199,8 +199,9 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
             s = torch.matmul(q_blk, kf[:, :, cols].transpose(-1, -2)) * scale
             s = s.masked_fill(~block_keep, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
-            # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so exp() stays finite.
-            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so exp() stays finite. (A score of
+            # +inf stays: exp(inf - inf) is NaN, as in the kernel and torch's softmax.)
+            m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_safe[..., None])
             alpha = torch.exp(m - m_safe)
             row_sum = alpha * row_sum + p.sum(dim=-1)  # the normaliser counts dropped entries too
@@ -208,7 +209,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, window
                 p = torch.where(kept[:, :, rows, cols], p * attention_keep_scale(dropout_p), 0.0)
             acc = alpha[..., None] * acc + torch.matmul(p, vf[:, :, cols])
             m = m_new
-        seen = row_sum > 0
+        seen = row_sum != 0  # NaN counts as seen: a NaN score makes its row NaN, as in the kernel and torch
         safe_sum = torch.where(seen, row_sum, 1.0)
         o[:, :, rows] = torch.where(seen[..., None], acc / safe_sum[..., None], 0.0)
         lse[:, :, rows] = torch.where(seen, m + torch.log(safe_sum), float("-inf"))

@@ -103,9 +103,11 @@ def dropout(x: torch.Tensor, p: float, *, seed: int) -> torch.Tensor:
     if p == 1.0:
         return torch.zeros_like(x)
     keep = keep_mask(x.numel(), p, seed, device=x.device).reshape(x.shape)
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
-    factor = torch.where(keep, scale, torch.tensor(0.0, dtype=torch.float32))
-    return (x.float() * factor).to(x.dtype)
+    # fp32, as the kernel scales; float64 inputs (which only the twin runs) in float64, as torch's dropout does
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=compute)
+    factor = torch.where(keep, scale, torch.tensor(0.0, dtype=compute))
+    return (x.to(compute) * factor).to(x.dtype)
 
 
 def dropout_with_mask(x: torch.Tensor, p: float, *, generator: torch.Generator | None = None):

@@ -38,7 +38,13 @@ def _rows(x: torch.Tensor, normalized_shape) -> tuple[torch.Tensor, int]:
     n = 1
     for s in shape:
         n *= s
-    return x.reshape(-1, n), n
+    return as_rows(x, n), n
+
+
+def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` as (M, n) rows; rows of no element (``n == 0``) as an empty (0, 0) tensor, which torch's ``reshape``
+    cannot infer (``reshape(-1, 0)`` is ambiguous)."""
+    return x.reshape(-1, n) if n else x.reshape(0, 0)
 
 
 def rms_norm_eps(eps: float | None, dtype: torch.dtype) -> float:
@@ -52,7 +58,8 @@ def rms_norm_eps(eps: float | None, dtype: torch.dtype) -> float:
 
 
 def layer_norm_forward(x2d: torch.Tensor, weight=None, bias=None, eps: float = 1e-5):
-    """Rows of ``x2d`` (M, N) -> ``(y, mean, rstd)``; ``mean``/``rstd`` are float32 (M,)."""
+    """Rows of ``x2d`` (M, N) -> ``(y, mean, rstd)``; ``mean``/``rstd`` (M,) are float32 (float64 for float64
+    rows)."""
     xf = x2d.to(_compute_dtype(x2d))
     mean = xf.mean(dim=1)
     xc = xf - mean[:, None]
@@ -62,7 +69,7 @@ def layer_norm_forward(x2d: torch.Tensor, weight=None, bias=None, eps: float = 1
         y = y * weight.to(y.dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.to(x2d.dtype), mean.float(), rstd.float()
+    return y.to(x2d.dtype), mean, rstd
 
 
 def rms_norm_forward(x2d: torch.Tensor, weight=None, eps: float | None = None):
@@ -72,7 +79,7 @@ def rms_norm_forward(x2d: torch.Tensor, weight=None, eps: float | None = None):
     y = xf * rstd[:, None]
     if weight is not None:
         y = y * weight.to(y.dtype)
-    return y.to(x2d.dtype), rstd.float()
+    return y.to(x2d.dtype), rstd
 
 
 def layer_norm(x: torch.Tensor, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -> torch.Tensor:
@@ -153,7 +160,19 @@ def _residual_dtype(x: torch.Tensor, residual: torch.Tensor | None, residual_dty
     return x.dtype if residual is None else residual.dtype
 
 
-def add_dropout_norm(x, residual=None, weight=None, bias=None, *, kind="layer", eps=1e-5, dropout_p=0.0,
+def _add_dropout_norm_eps(kind: str, eps: float | None, dtype: torch.dtype) -> float:
+    """The norm's ``eps``: given, or by default LayerNorm's 1e-5 and RMSNorm's rule (:func:`rms_norm_eps`)."""
+    if kind == "layer":
+        return 1e-5 if eps is None else eps
+    return rms_norm_eps(eps, dtype)
+
+
+def _sum_dtype(*tensors) -> torch.dtype:
+    """What the residual add and the norm compute in: float32, float64 when any of ``tensors`` is float64."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def add_dropout_norm(x, residual=None, weight=None, bias=None, *, kind="layer", eps=None, dropout_p=0.0,
                      seed=None, training=True, residual_dtype=None, out_dtype=None):
     """``(y, residual_out)`` of the pre-norm block over the last dim of ``x``, as three torch ops would give:
 
@@ -164,6 +183,9 @@ def add_dropout_norm(x, residual=None, weight=None, bias=None, *, kind="layer", 
       keeps the residual stream in fp32, as pre-norm trainers do);
     - ``y = norm(residual_out) * weight (+ bias)``, ``kind`` ``"layer"`` or ``"rms"`` (no bias), statistics in
       float32 from the rounded ``residual_out``, ``y`` in ``x``'s dtype, or ``out_dtype`` when given.
+
+    ``eps=None``: 1e-5 for LayerNorm, torch's rule for RMSNorm (:func:`rms_norm_eps`). Where a tensor or a
+    requested dtype is float64, float64 replaces float32 throughout.
     """
     if kind not in ("layer", "rms"):
         raise ValueError(f"kind must be 'layer' or 'rms', got {kind!r}")
@@ -173,17 +195,21 @@ def add_dropout_norm(x, residual=None, weight=None, bias=None, *, kind="layer", 
     if apply_dropout and seed is None:
         raise ValueError("the twin needs an explicit seed to draw the dropout mask")
     dropped = dropout_twin.dropout(x, dropout_p, seed=seed) if apply_dropout else x
-    summed = dropped.float() if residual is None else dropped.float() + residual.float()
+    out_dtype = out_dtype or x.dtype
+    ct = _sum_dtype(x, residual, weight, bias, torch.empty(0, dtype=out_dtype),
+                    torch.empty(0, dtype=residual_dtype or x.dtype))
+    summed = dropped.to(ct) if residual is None else dropped.to(ct) + residual.to(ct)
     residual_out = summed.to(_residual_dtype(x, residual, residual_dtype))
-    rows = residual_out.reshape(-1, x.shape[-1])
+    rows = as_rows(residual_out, x.shape[-1]).to(ct)
+    eps = _add_dropout_norm_eps(kind, eps, x.dtype)
     if kind == "layer":
-        y = layer_norm_forward(rows.float(), weight, bias, eps)[0]
+        y = layer_norm_forward(rows, weight, bias, eps)[0]
     else:
-        y = rms_norm_forward(rows.float(), weight, eps)[0]
-    return y.to(out_dtype or x.dtype).reshape(x.shape), residual_out
+        y = rms_norm_forward(rows, weight, eps)[0]
+    return y.to(out_dtype).reshape(x.shape), residual_out
 
 
-def add_dropout_norm_backward(dy, dresidual_out, residual_out, weight, *, kind="layer", eps=1e-5, dropout_p=0.0,
+def add_dropout_norm_backward(dy, dresidual_out, residual_out, weight, *, kind="layer", eps=None, dropout_p=0.0,
                               seed=None, training=True, x_dtype=None, residual_dtype=None):
     """``(dx, dresidual, dw, db)`` of :func:`add_dropout_norm`, written out by hand.
 
@@ -195,8 +221,10 @@ def add_dropout_norm_backward(dy, dresidual_out, residual_out, weight, *, kind="
     RMSNorm, ``dw`` without a weight.
     """
     n = residual_out.shape[-1]
-    r = residual_out.reshape(-1, n).float()
-    g = dy.reshape(-1, n)
+    ct = _sum_dtype(dy, residual_out, weight, torch.empty(0, dtype=x_dtype or dy.dtype))
+    r = as_rows(residual_out, n).to(ct)
+    g = as_rows(dy, n).to(ct)
+    eps = _add_dropout_norm_eps(kind, eps, x_dtype or dy.dtype)
     if kind == "layer":
         _, mean, rstd = layer_norm_forward(r, weight, None, eps)
         dr, dw, db = layer_norm_backward(g, r, weight, mean, rstd)
@@ -205,7 +233,7 @@ def add_dropout_norm_backward(dy, dresidual_out, residual_out, weight, *, kind="
         (dr, dw), db = rms_norm_backward(g, r, weight, rstd), None
     dr = dr.reshape(residual_out.shape)
     if dresidual_out is not None:
-        dr = dr + dresidual_out.float()
+        dr = dr + dresidual_out.to(ct)
     apply_dropout = training and dropout_p > 0.0
     dx = dr.to(x_dtype or dy.dtype)
     if apply_dropout:

@@ -148,12 +148,19 @@ def test_strided_views_take_no_copies():
 
 
 def test_lengths_past_the_capacity_are_clamped():
+    """CUDA calls read no length back (unless FUSED_KERNELS_CHECK_INDICES=1): a length past the capacity is clamped
+    and new tokens past it are dropped. CPU calls check the lengths and raise."""
     dtype = torch.float32 if INTERPRETER else torch.float16
     q, k_cache, v_cache, _, k, v = _inputs(2, 1, 2, [0, 0], 24, 16, dtype)
     full = torch.tensor([22, 22], dtype=torch.int32, device=DEVICE)
     expected = flash_attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), full, k=k, v=v)
     past = torch.tensor([22, 500], dtype=torch.int32, device=DEVICE)
     before = k_cache.clone()
+    if INTERPRETER:
+        with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 500 with 2 new tokens needs 502 positions"):
+            flash_attention_with_kvcache(q, k_cache, v_cache, past, k=k, v=v)
+        assert torch.equal(k_cache, before)
+        return
     out = flash_attention_with_kvcache(q, k_cache, v_cache, past, k=k, v=v)
     # sequence 1's new tokens fall outside its 24 positions: not written; it attends to its 24 keys
     assert torch.equal(k_cache[1], before[1])

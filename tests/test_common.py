@@ -73,8 +73,9 @@ def test_check_probability():
 
 def test_check_float_dtype_and_devices():
     check_float_dtype("x", torch.empty(2, dtype=torch.bfloat16))
+    check_float_dtype("x", torch.empty(2, dtype=torch.float64))  # the twin runs it
     with pytest.raises(TypeError, match=r"x must be a floating-point tensor with dtype in "
-                                        r"\(float16, bfloat16, float32\), got torch.int32"):
+                                        r"\(float16, bfloat16, float32, float64\), got torch.int32"):
         check_float_dtype("x", torch.empty(2, dtype=torch.int32))
     with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
         check_float_dtype("x", [1.0])

@@ -18,18 +18,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 import reference.attention as attention_twin
 import reference.dropout as dropout_twin
 from kernels._common import cpu_runs_reference
 from kernels._mode import DEVICE, FLOAT_DTYPES
 from kernels.attention import flash_attention, flash_attention_varlen
 from kernels.dropout import Dropout, dropout
-from kernels.layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
+from kernels.layernorm import AddDropoutNorm, LayerNorm, RMSNorm, add_dropout_norm, layer_norm, rms_norm
 
-ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Paths a call can take: this mode's device path (CUDA kernels, or the interpreter on CPU) and the CPU
-# reference twin. The reference path runs every dtype; the interpreter has no bf16 (numpy has none).
-PATHS = [("device", dt) for dt in FLOAT_DTYPES] + [("reference", dt) for dt in ALL_DTYPES]
+# reference twin, each in every dtype the kernels take.
+PATHS = [(path, dt) for path in ("device", "reference") for dt in FLOAT_DTYPES]
 PATH_IDS = [f"{path}-{str(dt).replace('torch.', '')}" for path, dt in PATHS]
 # Same-dtype agreement with torch: a few units in the last place of the output dtype.
 TOLERANCE = {torch.float16: {"rtol": 2e-3, "atol": 2e-3}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2},
@@ -276,3 +276,70 @@ def test_packed_attention_on_both_cpu_paths(path, dtype):
         ks, vs = (t[cu_k[i]:cu_k[i + 1]].transpose(0, 1)[None] for t in (k, v))
         expected = _sdpa64(qs, ks, vs, causal=True)[0].transpose(0, 1)
         torch.testing.assert_close(o[cu_q[i]:cu_q[i + 1]].double(), expected, rtol=tol, atol=tol)
+
+
+# --- float64 ---------------------------------------------------------------------------------------------
+
+def _f64(*shape, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_(grad)
+
+
+def _grads_f64(out, inputs):
+    return torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+
+def test_float64_is_taken_where_torch_takes_it_and_computed_in_float64():
+    """Every function takes float64 (on the device path too: the twin runs it, in float64), and equals torch's
+    float64 op to float64 rounding, forward and backward."""
+    exact = {"rtol": 1e-10, "atol": 1e-12}
+    x, w, b = _f64(6, 32), _f64(32, seed=1), _f64(32, seed=2)
+    for ours, theirs, inputs in ((lambda: layer_norm(x, (32,), w, b), lambda: F.layer_norm(x, (32,), w, b), (x, w, b)),
+                                 (lambda: rms_norm(x, (32,), w), lambda: F.rms_norm(x, (32,), w), (x, w))):
+        y, y_torch = ours(), theirs()
+        assert y.dtype == torch.float64
+        torch.testing.assert_close(y, y_torch, **exact)
+        for got, want in zip(_grads_f64(y, inputs), _grads_f64(y_torch, inputs), strict=True):
+            torch.testing.assert_close(got, want, **exact)
+    q, k, v = _f64(1, 4, 9, 16), _f64(1, 2, 11, 16, seed=1), _f64(1, 2, 11, 16, seed=2)
+    o = flash_attention(q, k, v, causal=True)
+    o_torch = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                             attn_mask=attention_twin.visible(9, 11, causal=True, device=DEVICE))
+    assert o.dtype == torch.float64
+    torch.testing.assert_close(o, o_torch, **exact)
+    for got, want in zip(_grads_f64(o, (q, k, v)), _grads_f64(o_torch, (q, k, v)), strict=True):
+        torch.testing.assert_close(got, want, **exact)
+    y = dropout(x, 0.3, seed=5)
+    keep = dropout_twin.keep_mask(x.numel(), 0.3, 5, device=x.device).reshape(x.shape)
+    assert y.dtype == torch.float64 and torch.equal(y, torch.where(keep, x * (1 / 0.7), 0.0))
+    y, residual_out = add_dropout_norm(x, x.detach() * 0.5, w, b, dropout_p=0.3, seed=5)
+    torch.testing.assert_close(residual_out, torch.where(keep, x * (1 / 0.7), 0.0) + x.detach() * 0.5, **exact)
+    torch.testing.assert_close(y, F.layer_norm(residual_out, (32,), w, b), **exact)
+
+
+def test_float64_modules_and_a_swapped_float64_model():
+    """``replace_modules`` never breaks a float64 model: its forward, eval or training, equals torch's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Dropout(0.1),
+                                torch.nn.RMSNorm(16)).double().to(DEVICE)
+    x = _f64(3, 16, grad=False)
+    expected = model.eval()(x)
+    replaced = kernels.replace_modules(model)
+    assert len(replaced) == 3
+    torch.testing.assert_close(model.eval()(x), expected, rtol=1e-10, atol=1e-12)
+    assert model.train()(x).dtype == torch.float64
+    assert Dropout(0.1).double().eval()(x) is x
+    m = AddDropoutNorm(16, kind="rms").double().to(DEVICE)
+    y, _ = m(x)
+    torch.testing.assert_close(y, F.rms_norm(x, (16,), m.weight), rtol=1e-10, atol=1e-12)
+
+
+def test_add_dropout_norm_defaults_to_each_norms_eps():
+    """``eps=None`` (the default) is LayerNorm's 1e-5 and RMSNorm's rule, as the module's default: on rows of RMS 0.03
+    an eps of 1e-5 instead of 1.2e-7 moves an RMSNorm output by about 0.5%."""
+    x = _small_rows(5, 64, dtype=torch.float32, device=DEVICE)
+    y_rms, _ = add_dropout_norm(x, kind="rms")
+    torch.testing.assert_close(y_rms, F.rms_norm(x, (64,)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(AddDropoutNorm(64, kind="rms").to(DEVICE)(x)[0], y_rms, rtol=0, atol=0)
+    y_layer, _ = add_dropout_norm(x)
+    torch.testing.assert_close(y_layer, F.layer_norm(x, (64,)), rtol=1e-5, atol=1e-5)

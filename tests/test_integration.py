@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels._common import cpu_runs_reference
 from kernels._mode import DEVICE, INTERPRETER
-from kernels.attention import flash_attention
+from kernels.attention import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
 from kernels.dropout import dropout
 from kernels.layernorm import add_dropout_norm, layer_norm, rms_norm
 
-# The interpreter runs on numpy, which has no bf16: CPU autocast to fp16 there.
-AUTOCAST_DTYPE = torch.float16 if INTERPRETER else torch.bfloat16
+AUTOCAST_DTYPE = torch.bfloat16
 
 
 def _pairs():
@@ -116,6 +118,23 @@ def _opcheck_cases():
         ("flash_attn_fwd_gluon", (q.detach(), k.detach(), v.detach(), -1, 0, 0.2)),
         ("flash_attn_bwd_gluon", (rand(1, 2, 40, 32), q.detach(), k.detach(), v.detach(), o.detach(), lse, -1, 0,
                                   0.2, 0.1, 0, seed_tensor)),
+        # the opaque ops of compiled calls that run the twin (kernels._common.opaque), on any device
+        ("norm_fwd_twin", (x.detach(), w.detach(), b.detach(), 1e-5, False)),
+        ("norm_fwd_twin", (x.detach(), None, None, 1e-6, True)),
+        ("norm_bwd_twin", (rand(8, 32), x.detach(), w.detach(), mean, rstd, False, True)),
+        ("dropout_twin", (rand(300), 0.3, 5, None)),
+        ("dropout_twin", (rand(300), 0.6, 0, seed_tensor)),
+        ("add_dropout_norm_fwd_twin", (x.detach(), rand(8, 32), w.detach(), b.detach(), 1e-5, False, 0.2, 5, None,
+                                       torch.float32, torch.bfloat16)),
+        ("add_dropout_norm_bwd_twin", (rand(8, 32), rand(8, 32), x.detach(), w.detach(), 1e-6, True, 0.2, 5, None,
+                                       torch.float32, True)),
+        ("flash_attn_fwd_twin", (q.detach(), k.detach(), v.detach(), -1, 0, 0.2, 0.1, 9, None, None, None, 0, 0)),
+        ("flash_attn_bwd_twin", (rand(1, 2, 40, 32), q.detach(), k.detach(), v.detach(), o.detach(), lse, -1, 0, 0.2,
+                                 0.1, 9, None, None, None)),
+        # the KV-cache call under torch.compile (it writes the caches), on any device
+        ("flash_attn_kvcache", (rand(2, 4, 1, 32), rand(2, 2, 16, 32), rand(2, 2, 16, 32),
+                                torch.tensor([3, 9], dtype=torch.int32, device=DEVICE), rand(2, 2, 1, 32),
+                                rand(2, 2, 1, 32), None, -1, 0, 0.2, True)),
     ]
 
 
@@ -238,3 +257,168 @@ def test_compiled_seedless_attention_dropout_draws_fresh_masks_that_its_backward
         assert _attention_masks_agree(q, k, v, o, dv, do)
         outputs.append(o.detach())
     assert not torch.equal(outputs[0], outputs[1])
+
+
+# --- torch.compile on the CPU twin path ---------------------------------------------------------------------
+
+def _cpu(*shape, seed=0, grad=True, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+
+
+def _twin_cases():
+    """name -> (function, its CPU inputs): every public function, forward (and backward where it has one)."""
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+
+    def kvcache(q, k_cache, v_cache, k, v):  # the caches are written in place: the test compares the inputs after
+        lengths = torch.tensor([4, 9], dtype=torch.int32)
+        return flash_attention_with_kvcache(q, k_cache, v_cache, lengths, k=k, v=v, causal=True)
+
+    def inplace_dropout(x):
+        y = x * 1.0
+        dropout(y, 0.3, seed=4, inplace=True)
+        return y
+
+    return {
+        "flash_attention": (lambda q, k, v: flash_attention(q, k, v, causal=True, dropout_p=0.2, seed=3),
+                            (_cpu(1, 4, 9, 16), _cpu(1, 2, 11, 16, seed=1), _cpu(1, 2, 11, 16, seed=2))),
+        "flash_attention_varlen": (lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, 5, 5, causal=True),
+                                   (_cpu(8, 4, 16), _cpu(8, 2, 16, seed=1), _cpu(8, 2, 16, seed=2))),
+        "flash_attention_with_kvcache": (kvcache, (_cpu(2, 4, 1, 16, grad=False), _cpu(2, 2, 12, 16, grad=False),
+                                                   _cpu(2, 2, 12, 16, seed=1, grad=False),
+                                                   _cpu(2, 2, 1, 16, seed=2, grad=False),
+                                                   _cpu(2, 2, 1, 16, seed=3, grad=False))),
+        "layer_norm": (lambda x, w, b: layer_norm(x, 32, w, b), (_cpu(6, 32), _cpu(32, seed=1), _cpu(32, seed=2))),
+        "rms_norm": (lambda x, w: rms_norm(x, 32, w), (_cpu(6, 32), _cpu(32, seed=1))),
+        "dropout": (lambda x: dropout(x, 0.3, seed=4), (_cpu(6, 32),)),
+        "dropout inplace": (inplace_dropout, (_cpu(6, 32, grad=False),)),
+        "add_dropout_norm": (lambda x, r, w: add_dropout_norm(x, r, w, kind="rms", dropout_p=0.3, seed=4),
+                             (_cpu(6, 32), _cpu(6, 32, seed=1), _cpu(32, seed=2))),
+        "float64 flash_attention": (lambda q, k, v: flash_attention(q, k, v, causal=True),
+                                    tuple(_cpu(1, 2, 9, 16, seed=s, dtype=torch.float64) for s in range(3))),
+    }
+
+
+@pytest.fixture(scope="module")
+def inductor_cpu_started():
+    """Inductor's first CPU kernel in a process starts its C++ toolchain once (14-19 s on a 2-core CI machine, about
+    a minute on a fresh GPU machine's host), whatever the op: paid here, so that the timings below are the ops'."""
+    torch.compile(lambda t: t * 2.0 + 1.0, fullgraph=True)(torch.ones(3))
+
+
+@pytest.mark.parametrize("name", list(_twin_cases()))
+def test_compile_fullgraph_on_the_cpu_twin_path(name, inductor_cpu_started):
+    """CPU tensors without the interpreter run the twin; under torch.compile(fullgraph=True) it runs as opaque ops
+    (``kernels._common.opaque``): no graph break, the eager results and gradients, and a compile of well under a
+    minute."""
+    import time
+
+    fn, inputs = _twin_cases()[name]
+    torch._dynamo.reset()
+    with cpu_runs_reference():
+        eager_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        expected = fn(*eager_inputs)
+        start = time.perf_counter()
+        got = torch.compile(fn, fullgraph=True)(*inputs)
+        elapsed = time.perf_counter() - start
+        expected, got = (out if isinstance(out, tuple) else (out,) for out in (expected, got))
+        for ours, theirs in zip((*got, *inputs), (*expected, *eager_inputs), strict=True):  # inputs: in-place writes
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+        grads_needed = [t for t in inputs if t.requires_grad]
+        if grads_needed:
+            weights = [torch.randn(t.shape, generator=torch.Generator().manual_seed(9)) for t in got]
+            ours = torch.autograd.grad(got, grads_needed, weights)
+            theirs = torch.autograd.grad(expected, [t for t in eager_inputs if t.requires_grad], weights)
+            for a, b in zip(ours, theirs, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # the bound is for a process that has the machine to itself (CI's), not the GPU check's shards side by side
+    if not os.environ.get("FK_TEST_SHARD"):
+        assert elapsed < 60, f"compiling {name} took {elapsed:.0f} s"
+
+
+def test_compile_fullgraph_kvcache_on_the_device_path():
+    """The KV-cache op under torch.compile on this mode's device: the caches are written as in eager."""
+    q, k_cache, v_cache, k, v = (t.to(DEVICE) for t in _twin_cases()["flash_attention_with_kvcache"][1])
+    lengths = torch.tensor([4, 9], dtype=torch.int32, device=DEVICE)
+    eager_k_cache, eager_v_cache = k_cache.clone(), v_cache.clone()
+    expected = flash_attention_with_kvcache(q, eager_k_cache, eager_v_cache, lengths, k=k, v=v, return_lse=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: flash_attention_with_kvcache(*a, k=k, v=v, return_lse=True), fullgraph=True)
+    got = compiled(q, k_cache, v_cache, lengths)
+    for ours, theirs in zip((*got, k_cache, v_cache), (*expected, eager_k_cache, eager_v_cache), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+# --- a GPU that is not the current one ------------------------------------------------------------------------
+
+def _every_op_forward_and_backward(device: str) -> list[torch.Tensor]:
+    """Every public op on ``device``, forward and backward, bf16 at sizes that take the Hopper kernels where there
+    are some (attention at S 2048 D 128, norms 65536 wide), deterministic where a reduction order could differ."""
+    g = torch.Generator().manual_seed(0)
+
+    def make(*shape, grad=True, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_(grad)
+
+    results = []
+
+    def grads(outputs, inputs):
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        weights = tuple(torch.randn(o.shape, generator=g).to(device, o.dtype) for o in outputs)
+        results.extend(o.detach() for o in outputs)
+        results.extend(torch.autograd.grad(outputs, inputs, weights))
+
+    q, k, v = make(1, 4, 2048, 128), make(1, 2, 2048, 128), make(1, 2, 2048, 128)
+    grads(flash_attention(q, k, v, causal=True, deterministic=True), (q, k, v))
+    grads(flash_attention(q, k, v, dropout_p=0.1, seed=5, deterministic=True), (q, k, v))
+    qp, kp, vp = make(300, 4, 64), make(300, 2, 64), make(300, 2, 64)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device=device)
+    grads(flash_attention_varlen(qp, kp, vp, cu, cu, 200, 200, causal=True), (qp, kp, vp))
+    with torch.no_grad():
+        k_cache, v_cache = make(2, 2, 4096, 128, grad=False), make(2, 2, 4096, 128, grad=False)
+        lengths = torch.tensor([1000, 3000], dtype=torch.int32, device=device)
+        results.append(flash_attention_with_kvcache(make(2, 4, 1, 128, grad=False), k_cache, v_cache, lengths,
+                                                    k=make(2, 2, 1, 128, grad=False),
+                                                    v=make(2, 2, 1, 128, grad=False)))
+        results.extend((k_cache, v_cache))
+    for n in (1024, 65536):
+        x, w, b = make(64, n), make(n), make(n)
+        grads(layer_norm(x, n, w, b, deterministic=True), (x, w, b))
+        grads(rms_norm(x, n, w, deterministic=True), (x, w))
+        grads(add_dropout_norm(x, x.detach() * 0.5, w, b, dropout_p=0.1, seed=3, deterministic=True), (x, w, b))
+    grads(dropout(x, 0.3, seed=7), (x,))
+    return [t.cpu() for t in results]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRETER or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_every_op_runs_on_its_tensors_gpu_whichever_is_current():
+    """Tensors on cuda:1 while cuda:0 is current: the same results as with cuda:1 current, and cuda:0 still current
+    afterwards (torch's own ops do not care which device is current; a model spread over GPUs calls them so)."""
+    torch.cuda.set_device(1)
+    expected = _every_op_forward_and_backward("cuda:1")
+    torch.cuda.set_device(0)
+    got = _every_op_forward_and_backward("cuda:1")
+    assert torch.cuda.current_device() == 0
+    assert len(got) == len(expected)
+    for i, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(ours, theirs), f"result {i} differs"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRETER or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_two_gpus_get_a_clear_error():
+    a, b = torch.randn(2, 2, 64, 64, device="cuda:0"), torch.randn(2, 2, 64, 64, device="cuda:1")
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda:0")
+    calls = [
+        lambda: flash_attention(a, a, b),
+        lambda: flash_attention_varlen(a[0].transpose(0, 1), a[0].transpose(0, 1), a[0].transpose(0, 1), cu,
+                                       cu.to("cuda:1"), 64, 64),
+        lambda: flash_attention_with_kvcache(a[:, :, :1], b, b, torch.tensor([3, 4], dtype=torch.int32,
+                                                                             device="cuda:0")),
+        lambda: layer_norm(a, 64, b[0, 0, 0]),
+        lambda: rms_norm(a, 64, b[0, 0, 0]),
+        lambda: add_dropout_norm(a, b),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"is on cuda:\d but \w+ is on cuda:\d"):
+            call()

@@ -758,7 +758,16 @@ def test_fused_add_dropout_norm_equals_its_twin(kind, dtype, residual, p, traini
     (both outputs get a gradient): every gradient against the twin's hand-written backward."""
     inputs, (y, r), (y_twin, r_twin) = _fused_and_twin(*_fused_inputs(m, n, kind, dtype, residual), kind, p, training)
     assert r.dtype == r_twin.dtype and y.dtype == dtype and y.shape == r.shape == (m, n)
-    assert torch.equal(r, r_twin)
+    if INTERPRETER and dtype == torch.bfloat16 and r.dtype != dtype and p > 0 and training:
+        # the interpreter rounds dropout(x) to bf16 toward zero before the fp32 add (a GPU, and the twin, to nearest
+        # even): one bf16 unit of the dropped x apart at most
+        unit = inputs[0].detach().float().abs() / (1 - p) * 2**-7
+        assert ((r - r_twin).abs() <= unit).all()
+        _, _, w, b = inputs  # y is the norm of the kernel's own residual_out then
+        y_twin = twin.add_dropout_norm(r.detach(), None, w.detach(), None if b is None else b.detach(), kind=kind,
+                                       out_dtype=dtype)[0]
+    else:
+        assert torch.equal(r, r_twin)
     # the statistics' last bits differ between summation orders, so y may round one ulp apart
     torch.testing.assert_close(y, y_twin, rtol=torch.finfo(dtype).eps, atol=ATOL[dtype])
     _, res, w, b = inputs
@@ -910,7 +919,7 @@ def test_fused_add_dropout_norm_out_dtype_rounds_the_same_output_once(kind, out_
     ({"dropout_p": -0.1}, ValueError, "dropout_p"),
     ({"eps": float("nan")}, ValueError, "eps"),
     ({"residual_dtype": torch.int8}, TypeError, "residual_dtype"),
-    ({"out_dtype": torch.float64}, TypeError, "out_dtype"),
+    ({"out_dtype": torch.int32}, TypeError, "out_dtype"),
 ])
 def test_fused_add_dropout_norm_bad_inputs(kwargs, error, match):
     args = {"x": torch.ones(2, 8, device=DEVICE)}

@@ -11,10 +11,18 @@ from kernels._common.launch import (
     nothing_to_launch,
     unused_pointer,
 )
-from kernels._common.runtime import INTERPRETER, backend_for, cpu_runs_reference, interpreter_requested, is_fake
+from kernels._common.runtime import (
+    INTERPRETER,
+    backend_for,
+    cpu_runs_reference,
+    interpreter_needs_fp32,
+    interpreter_requested,
+    is_fake,
+)
 from kernels._common.seed import Seed, device_seed, draw_seed, seed_for_call, splitmix64
 from kernels._common.validate import (
     FLOAT_DTYPES,
+    KERNEL_DTYPES,
     check_finite_number,
     check_float_dtype,
     check_probability,
@@ -29,6 +37,7 @@ LIBRARY_NAMESPACE = "fused_kernels"
 __all__ = [
     "FLOAT_DTYPES",
     "INTERPRETER",
+    "KERNEL_DTYPES",
     "LIBRARY_NAMESPACE",
     "Seed",
     "autocast_cast",
@@ -43,6 +52,7 @@ __all__ = [
     "cpu_runs_reference",
     "device_seed",
     "draw_seed",
+    "interpreter_needs_fp32",
     "interpreter_requested",
     "is_fake",
     "kernel_for",

@@ -9,6 +9,8 @@ and our LayerNorm in bf16 (torch's runs in fp32). The policies, by torch's autoc
 - layer norm: fp32 on CUDA (inputs upcast, fp32 output), untouched on CPU;
 - RMS norm: as layer norm (checked against ``F.rms_norm`` by ``tests/test_integration.py``);
 - dropout: untouched (it is on no list: the output keeps the input's dtype).
+
+As torch's autocast, it never casts a float64 tensor.
 """
 
 from __future__ import annotations
@@ -37,5 +39,5 @@ def autocast_cast(op: str, *tensors):
     if dtype is None:
         return tensors
     # the dtype check first: a no-op ``.to`` still costs a dispatch (about 1.3 us each on a CPU)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype != dtype and t.is_floating_point() else t
-                 for t in tensors)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype not in (dtype, torch.float64)
+                 and t.is_floating_point() else t for t in tensors)

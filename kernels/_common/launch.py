@@ -115,9 +115,23 @@ class _TmaSlot:
 
 
 def _plain_launch(kernel, grid, args, kwargs):
-    """Triton's own ``kernel[grid](...)``, with each :class:`TmaTensor` made a descriptor."""
+    """Triton's own ``kernel[grid](...)``, with each :class:`TmaTensor` made a descriptor, on the first CUDA tensor's
+    device (Triton launches on the current one)."""
     args = [arg.descriptor() if type(arg) is TmaTensor else arg for arg in args]
+    device = _tensor_device(args)
+    if device is not None and device != _current_device():
+        with torch.cuda.device(device):
+            return kernel[grid](*args, **kwargs)
     return kernel[grid](*args, **kwargs)
+
+
+def _tensor_device(args) -> int | None:
+    """The CUDA device index of the first CUDA tensor among ``args`` (a descriptor's base counts), or None."""
+    for arg in args:
+        tensor = arg if isinstance(arg, torch.Tensor) else getattr(arg, "base", None)
+        if isinstance(tensor, torch.Tensor):
+            return tensor.device.index if tensor.is_cuda else None
+    return None
 
 
 class FastLauncher:
@@ -130,12 +144,15 @@ class FastLauncher:
     already checked that every tensor is a CUDA tensor on one device) straight to the compiled
     launcher on the current stream.
 
-    Falls back to the plain Triton launch under the interpreter, when a launch hook is installed (a
-    profiler such as proton must see every launch), when the first tensor is not on the current device
-    (the callers have checked that all their tensors share one device, so the first one stands for all),
-    and for arguments of any other kind. The cached path needs every run-time argument positional and
-    every constexpr by keyword (kernels list their run-time parameters first); a call of another form
-    works but takes the plain launch every time (``tests/test_common.py`` checks each family's calls).
+    Launches on the first tensor's GPU: when it is not the current device, that device is made current
+    around the launch (the callers have checked that all their tensors share one device, so the first one
+    stands for all), as torch's own ops run on their tensors' device whichever is current; the check is the
+    comparison the cache key needs anyway, so calls on the current device pay nothing for it. Falls back to
+    the plain Triton launch under the interpreter, when a launch hook is installed (a profiler such as
+    proton must see every launch), and for arguments of any other kind. The cached path needs every run-time
+    argument positional and every constexpr by keyword (kernels list their run-time parameters first); a
+    call of another form works but takes the plain launch every time (``tests/test_common.py`` checks each
+    family's calls).
     The loop below runs for every argument of every launch: it dispatches on exact types and inlines
     :func:`_int_key` as flat key entries (no tuple per argument), because a Python function call per
     argument cost ~20 us per attention launch on the H200 host (a profiling script since removed), and
@@ -162,6 +179,9 @@ class FastLauncher:
         bound = self._key_and_values(device, args, kwargs)
         if bound is None:
             return _plain_launch(self.kernel, grid, args, kwargs)
+        if type(bound) is int:  # the tensors are on another GPU: launch there, as torch's ops do
+            with torch.cuda.device(bound):
+                return self._launch(grid, *args, **kwargs)
         key, values = bound
         entry = self._compiled.get(key)
         if entry is None:
@@ -174,10 +194,10 @@ class FastLauncher:
         return None
 
     @staticmethod
-    def _key_and_values(device: int, args: tuple, kwargs: dict) -> tuple[tuple, list] | None:
-        """The cache key of a launch (what Triton specialises on) and the values its compiled launcher takes, or
-        None when the launch must take Triton's own path (a tensor on another device, an argument of another
-        kind)."""
+    def _key_and_values(device: int, args: tuple, kwargs: dict) -> tuple[tuple, list] | int | None:
+        """The cache key of a launch (what Triton specialises on) and the values its compiled launcher takes; the
+        tensors' device index when it is not ``device`` (the caller makes it current and launches again); None when
+        the launch must take Triton's own path (an argument of another kind)."""
         key = [device]
         values = []
         device_checked = False
@@ -200,7 +220,7 @@ class FastLauncher:
             elif isinstance(arg, torch.Tensor):
                 if not device_checked:
                     if arg.device.index != device:
-                        return None
+                        return arg.device.index if arg.is_cuda else None
                     device_checked = True
                 address = arg.data_ptr()
                 key.append(arg.dtype)  # a dtype entry is always followed by the alignment flag
@@ -209,7 +229,7 @@ class FastLauncher:
             elif kind is TmaTensor:
                 if not device_checked:
                     if arg.base.device.index != device:
-                        return None
+                        return arg.base.device.index if arg.base.is_cuda else None
                     device_checked = True
                 key.append(arg.base.dtype)
                 key.append(arg.block_shape)
@@ -237,6 +257,9 @@ class FastLauncher:
         if not (callable(grid) or hooks_installed()):
             device = _current_device()
             bound = self._key_and_values(device, args, kwargs)
+            if type(bound) is int:  # launched on the tensors' GPU (see ``_launch``): its key is that device's
+                device = bound
+                bound = self._key_and_values(device, args, kwargs)
             entry = None if bound is None else self._compiled.get(bound[0])
             if entry is not None:
                 prepared = self._prepared(entry, _grid3(grid), bound[1], args, device, recording)
@@ -473,8 +496,14 @@ class RecordedCall:
             address = 0 if t is None else t.data_ptr()
             aligned |= address
             addresses.append(address)
-        if aligned & 15 or self._launches[0]._device != _current_device():
+        if aligned & 15:
             return False
+        device = self._launches[0]._device
+        if device != _current_device():  # the tensors are on another GPU: launch there, as torch's ops do
+            with torch.cuda.device(device):
+                for launch in self._launches:
+                    launch(addresses, ints, tensors)
+            return True
         for launch in self._launches:
             launch(addresses, ints, tensors)
         return True

@@ -2,7 +2,15 @@
 
 The rule: CUDA tensors run the Triton kernels; CPU tensors run the Triton kernels under the
 Triton interpreter when ``TRITON_INTERPRET=1`` was set before the kernels were imported, and otherwise run
-the pure-PyTorch twin from ``reference/``; any other device is an error.
+the pure-PyTorch twin from ``reference/``; float64 runs the twin on every device (the kernels compute in fp32;
+the twin computes float64 exactly, as torch's own ops do); any other device is an error.
+
+The interpreter keeps bfloat16 as raw 16-bit integers (numpy has no bfloat16): its ``tl.dot`` multiplies those
+bit patterns, and its stores round fp32 to bf16 toward zero where a GPU rounds to nearest even. Launchers whose
+kernels take ``tl.dot`` over loaded tiles (attention), or whose results are compared bit for bit with the twin's
+(dropout), run bf16 calls there in fp32 and round the outputs once with torch (:func:`interpreter_needs_fp32`),
+which is what the GPU kernels' fp32 accumulators do; the norms' bf16 outputs under the interpreter can be one unit
+in the last place from a GPU's.
 
 Families with Hopper-only (Gluon) kernels beside their portable ones read a path switch from an environment
 variable of their own (:func:`kernel_path`): ``auto`` (the family's measured rule), ``hopper`` (every call the
@@ -40,13 +48,32 @@ Backend = Literal["triton", "reference"]
 _cpu_backend: Backend = "triton" if INTERPRETER else "reference"
 
 
-def backend_for(x: torch.Tensor) -> Backend:
-    """Which implementation runs for a tensor on ``x.device`` (see the module docstring)."""
+def backend_for(x: torch.Tensor, *others: torch.Tensor | torch.dtype | None) -> Backend:
+    """Which implementation runs for a tensor on ``x.device`` (see the module docstring): the twin when ``x`` or any
+    of ``others`` (tensors, dtypes or None) is float64."""
     kind = x.device.type
+    if x.dtype == torch.float64 or (others and any(_is_float64(o) for o in others)):
+        if kind not in ("cuda", "cpu"):
+            _unsupported_device(x)
+        return "reference"
     if kind == "cuda":
         return "triton"
     if kind == "cpu":
         return _cpu_backend
+    _unsupported_device(x)
+
+
+def _is_float64(value) -> bool:
+    return value is torch.float64 or (isinstance(value, torch.Tensor) and value.dtype == torch.float64)
+
+
+def interpreter_needs_fp32(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` (whose backend is ``triton``) runs its kernels in fp32 and rounds once with torch:
+    bfloat16 under the Triton interpreter (see the module docstring)."""
+    return INTERPRETER and t.dtype == torch.bfloat16 and t.device.type == "cpu"
+
+
+def _unsupported_device(x: torch.Tensor):
     raise ValueError(
         f"fused-kernels runs on CUDA tensors (or CPU tensors through the Triton interpreter or the "
         f"reference twin); got a tensor on device {x.device}"

@@ -8,12 +8,16 @@ error or a silently wrong answer.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
-#: dtypes the kernels compute in (fp32 accumulation inside).
-FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+#: dtypes the Triton kernels take (fp32 accumulation inside).
+KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+#: dtypes the public functions take: the kernels' and float64, which runs the twin on every device
+#: (``kernels._common.runtime.backend_for``), as torch's own ops accept it.
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (*KERNEL_DTYPES, torch.float64)
 
 
 def _dtype_names(dtypes) -> str:
@@ -96,3 +100,15 @@ def check_seed(name: str, seed) -> int | None:
     if not 0 <= seed < 2**64:
         raise ValueError(f"{name} must be in [0, 2**64), got {seed}")
     return seed
+
+
+#: ``FUSED_KERNELS_CHECK_INDICES=1``: index tensors of CUDA calls (cumulative lengths, cache lengths, block tables)
+#: are read back and checked, as those of CPU calls always are.
+CHECK_INDICES_ENV = "FUSED_KERNELS_CHECK_INDICES"
+
+
+def indices_checked(device: torch.device) -> bool:
+    """Whether a call on ``device`` reads its index tensors back and checks them: always off CUDA (they are on the
+    host already), on CUDA only when ``FUSED_KERNELS_CHECK_INDICES=1`` is set (read at each call; a check waits for
+    the GPU)."""
+    return device.type != "cuda" or os.environ.get(CHECK_INDICES_ENV, "0") == "1"

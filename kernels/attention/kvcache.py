@@ -1,8 +1,10 @@
 """Launchers of attention against a KV cache (inference, forward only): ``flash_attention_with_kvcache``.
 
 The kernels are in ``kernels/attention/_decode.py``; tiles and the split count come from
-``kernels.attention.configs.decode_plan``. CPU tensors without the Triton interpreter run the twin
-``reference.attention.attention_with_kvcache``.
+``kernels.attention.configs.decode_plan``. CPU tensors without the Triton interpreter, and float64 tensors, run the
+twin ``reference.attention.attention_with_kvcache``. Under torch.compile a call is the opaque op
+``fused_kernels::flash_attn_kvcache`` (it writes the caches; ``kernels._common.opaque``), which runs this eager
+path when the compiled graph runs.
 """
 
 from __future__ import annotations
@@ -10,8 +12,18 @@ from __future__ import annotations
 import torch
 
 import reference.attention as twin
-from kernels._common import backend_for, cdiv, check_float_dtype, check_same_device, check_tensor, kernel_for
+from kernels._common import (
+    backend_for,
+    cdiv,
+    check_float_dtype,
+    check_same_device,
+    check_tensor,
+    interpreter_needs_fp32,
+    kernel_for,
+)
 from kernels._common.launch import current_stream_handle, multiprocessor_count
+from kernels._common.opaque import opaque_op
+from kernels._common.validate import indices_checked
 from kernels.attention import configs
 from kernels.attention._decode import _kvcache_append_kernel, _kvcache_attn_kernel
 from kernels.attention.ops import _precision, _scale, _window
@@ -79,7 +91,36 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> int:
             raise ValueError(f"{k.shape[2]} new tokens do not fit a cache of {capacity} positions per sequence")
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                       k=k, v=v)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+        names = [n for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
+                 if t is not None and t.requires_grad]
+        raise ValueError(f"flash_attention_with_kvcache is forward-only (inference), but {', '.join(names)} "
+                         f"require{'s' if len(names) == 1 else ''} grad: call it under torch.no_grad() or "
+                         f"torch.inference_mode(), or pass detached tensors")
     return capacity
+
+
+def _check_indices(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, new_tokens: int, capacity: int,
+                   k_cache: torch.Tensor) -> None:
+    """The lengths and page numbers, read on the host: ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + Sq_new <=
+    capacity``; every block-table entry that a sequence's ``cache_seqlens[b] + Sq_new`` positions use names a page
+    of the cache. One transfer of each to the host (a synchronisation on a GPU)."""
+    lengths = cache_seqlens.tolist()
+    for b, length in enumerate(lengths):
+        if length < 0:
+            raise ValueError(f"cache_seqlens[{b}] = {length} is negative")
+        if length + new_tokens > capacity:
+            raise ValueError(f"cache_seqlens[{b}] = {length} with {new_tokens} new tokens needs {length + new_tokens} "
+                             f"positions, but the cache holds {capacity} per sequence")
+    if block_table is None:
+        return
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[2]
+    table = block_table.tolist()
+    for b, length in enumerate(lengths):
+        for i in range(cdiv(length + new_tokens, page_size)):
+            if not 0 <= table[b][i] < num_pages:
+                raise ValueError(f"block_table[{b}, {i}] = {table[b][i]} names no page of the cache (it has "
+                                 f"{num_pages} pages)")
 
 
 #: arrival counters of the split kernel, zero between calls (the combining program resets its own), kept per
@@ -128,7 +169,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     ``b``'s queries then attend to its ``L = cache_seqlens[b] + Sq_new`` keys, aligned bottom-right as in
     :func:`~kernels.attention.flash_attention`: with ``causal`` query ``i`` sees keys up to ``i + L - Sq``, and
     ``window_size = (left, right)`` bounds the band the same way. A query that sees no key gets zeros (and a
-    log-sum-exp of -inf). GQA/MQA: ``Hq`` a multiple of ``Hkv``. Any strides; fp16, bf16, fp32.
+    log-sum-exp of -inf). GQA/MQA: ``Hq`` a multiple of ``Hkv``. Any strides; fp16, bf16, fp32, and float64 (the
+    twin, on any device).
 
     Returns the output (B, Hq, Sq, D) in q's dtype, and with ``return_lse`` also the natural-log log-sum-exp
     (B, Hq, Sq) fp32.
@@ -137,26 +179,76 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     computing every query head of the GQA group from one read of its K/V share, and the last split to finish
     combines the partial results; the split count comes from the shapes, the SM count and the cache's kind
     (``kernels.attention.configs.decode_plan``). No host synchronisation: a call can be captured in a CUDA graph.
-    The lengths are read on the GPU, so they are not checked here: ``cache_seqlens[b] + Sq_new`` is clamped to the
-    cache's capacity (``S_max``, or ``max_blocks * block_size``) and at 0, and block-table entries must name pages
-    of the cache.
+
+    Index checks: on CPU tensors (and float64 ones) ``cache_seqlens`` and the block-table entries in use are read
+    and checked on every call: a length below 0, a sequence whose ``cache_seqlens[b] + Sq_new`` positions overflow
+    the cache's capacity (``S_max``, or ``max_blocks * block_size``), or a page number outside the cache raises
+    ``ValueError``. On CUDA they live on the device and are not checked by default (a check waits for the GPU):
+    ``cache_seqlens[b] + Sq_new`` is clamped to the capacity and at 0, new tokens past the capacity are dropped, and
+    block-table entries must name pages of the cache. ``FUSED_KERNELS_CHECK_INDICES=1`` in the environment runs the
+    CPU checks on CUDA calls too, at the cost of one synchronisation per call. Forward only: a call with grad mode
+    on and a tensor that requires grad raises ``ValueError``.
     """
     capacity = _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
     left, right = _window(window_size, bool(causal))
-    batch, heads, sq, d = q.shape
-    scale = _scale(softmax_scale, d)
-    if backend_for(q) == "reference":
+    scale = _scale(softmax_scale, q.shape[3])
+    if torch.compiler.is_compiling():  # the lengths are known when the graph runs: the op reads and checks them then
+        o, lse = _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left, right, scale, return_lse)
+    else:
+        o, lse = _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left, right, scale, return_lse,
+                               capacity)
+    return (o, lse) if return_lse else o
+
+
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_left, window_right, scale,
+                  return_lse):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        q.shape[:3] if return_lse else (0,), dtype=lse_dtype)
+
+
+@opaque_op("flash_attn_kvcache", "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, "
+           "Tensor? v, Tensor? block_table, SymInt window_left, SymInt window_right, float scale, bool return_lse) "
+           "-> (Tensor, Tensor)", _kvcache_fake)
+def _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_left, window_right, scale, return_lse):
+    """A compiled graph's call: the eager path, ``(o, lse)`` (lse empty without ``return_lse``)."""
+    capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
+    o, lse = _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_left, window_right, scale,
+                           return_lse, capacity)
+    return o.contiguous(), _kvcache_fake(q, *[None] * 9, False)[1] if lse is None else lse
+
+
+def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left: int, right: int, scale: float,
+                  return_lse: bool, capacity: int):
+    """``(o, lse)`` of a call whose arguments are checked (``lse`` None without ``return_lse``): the index checks
+    where they run, then the twin, or the append and the attention kernels."""
+    reference = backend_for(q) == "reference"
+    if reference or indices_checked(q.device):
+        _check_indices(cache_seqlens, block_table, 0 if k is None else k.shape[2], capacity, k_cache)
+    if reference:
         o, lse = twin.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
-                                             causal=causal, softmax_scale=scale, window_size=window_size,
+                                             causal=False, softmax_scale=scale, window_size=(left, right),
                                              return_lse=True)
-        return (o, lse.float()) if return_lse else o
+        return o, (lse if q.dtype == torch.float64 else lse.float()) if return_lse else None
     new_tokens = 0 if k is None else k.shape[2]
-    if new_tokens and batch and k.shape[1]:
+    if new_tokens and q.shape[0] and k.shape[1]:
         _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity)
+    if interpreter_needs_fp32(q):  # the interpreter's dot cannot take bf16 tiles: fp32, rounded once at the end
+        o, lse = _attend(q.float(), k_cache.float(), v_cache.float(), cache_seqlens, new_tokens, block_table, left,
+                         right, scale, return_lse, capacity)
+        return o.to(q.dtype), lse
+    return _attend(q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, left, right, scale, return_lse,
+                   capacity)
+
+
+def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, left: int, right: int, scale: float,
+            return_lse: bool, capacity: int):
+    """The attention kernel over the cache (the new tokens appended already): ``(o, lse)``."""
+    batch, heads, sq, d = q.shape
     o = torch.empty((batch, heads, sq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, sq), dtype=torch.float32, device=q.device) if return_lse else None
     if o.numel() == 0:
-        return (o, lse) if return_lse else o
+        return o, lse
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     rows = group * sq
@@ -184,4 +276,4 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd, DOT_PRECISION=_precision(q.dtype),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    return (o, lse) if return_lse else o
+    return o, lse

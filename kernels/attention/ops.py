@@ -4,7 +4,9 @@ Eager calls run ``_FlashAttentionFunction``; under torch.compile ``flash_attenti
 registered ops ``fused_kernels::flash_attn_fwd`` / ``flash_attn_bwd``, which share the implementation. Their
 portable kernels are traced into the compiled graph; a call that can take a Hopper (Gluon) kernel goes through
 the opaque ops ``flash_attn_fwd_gluon`` / ``flash_attn_bwd_gluon`` instead, which run the eager dispatch.
-CPU tensors without the Triton interpreter run the twin ``reference.attention``.
+CPU tensors without the Triton interpreter, and float64 tensors, run the twin ``reference.attention``; under
+torch.compile through the opaque ops ``flash_attn_fwd_twin`` / ``flash_attn_bwd_twin`` (``kernels._common.opaque``).
+Under the Triton interpreter bf16 calls run in fp32 and round once (``interpreter_needs_fp32``).
 
 Launch configurations (tiles, warps, stages, one or two backward launches) come from the table in
 ``kernels.attention.configs``. An eager ``flash_attention`` call checks its arguments once per call signature
@@ -32,6 +34,7 @@ from kernels._common import (
     check_same_device,
     check_seed,
     check_tensor,
+    interpreter_needs_fp32,
     kernel_for,
     nothing_to_launch,
     unused_pointer,
@@ -40,6 +43,7 @@ from kernels._common.autocast import autocast_dtype
 from kernels._common.eager import PlanCache, autocast_key, function_apply, plannable, plans_apply, tensor_key
 from kernels._common.launch import PreparedCache, TmaTensor, launch_or_replay, prepared_launches_enabled
 from kernels._common.launch import kernels_from as swap_kernels
+from kernels._common.opaque import opaque_op
 from kernels._common.seed import (
     SEED_WORD_PARAMETERS,
     Seed,
@@ -51,6 +55,7 @@ from kernels._common.seed import (
     seed_pointer,
     seed_value,
 )
+from kernels._common.validate import indices_checked
 from kernels.attention import _hopper, _hopper_bwd, _hopper_bwd_dq, _hopper_bwd_split, configs
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
@@ -401,6 +406,54 @@ def _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, var
     return twin.flash_attention_varlen_backward(do, q, k, v, o, lse, varlen[0], varlen[1], **kw)
 
 
+def _cu_seqlens(varlen) -> tuple:
+    """A packed call's cumulative lengths ``(cu_seqlens_q, cu_seqlens_k)``; ``(None, None)`` for dense batches."""
+    return (None, None) if varlen is None else varlen[:2]
+
+
+def _twin_varlen(cu_seqlens_q, cu_seqlens_k):
+    """The ``varlen`` argument of the twin wrappers for cumulative lengths (or None); the maxima, which size the
+    kernels' grids, play no part there."""
+    return None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k, 0, 0)
+
+
+def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _twin_forward_fake(q, k, v, window_left, window_right, scale, dropout_p, seed, seed_tensor, cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    stats = q.shape[:3] if cu_seqlens_q is None else (q.shape[1], q.shape[0])
+    return _contiguous_like(q), q.new_empty(stats, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+@opaque_op("flash_attn_fwd_twin", "(Tensor q, Tensor k, Tensor v, SymInt window_left, SymInt window_right, "
+           "float scale, float dropout_p, SymInt seed, Tensor? seed_tensor, Tensor? cu_seqlens_q, "
+           "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k) -> (Tensor, Tensor)", _twin_forward_fake)
+def _twin_forward_op(q, k, v, window_left, window_right, scale, dropout_p, seed, seed_tensor, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The twin's forward, run as it is when a compiled graph runs (``kernels._common.opaque``): ``(o, lse)``; a
+    packed call's cumulative lengths are checked here, as an eager call's are before it runs."""
+    if cu_seqlens_q is not None:
+        _check_cumulative_lengths("q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        _check_cumulative_lengths("k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    o, lse = _twin_forward(q, k, v, window_left, window_right, scale, dropout_p,
+                           seed_from_op_args(seed, seed_tensor), _twin_varlen(cu_seqlens_q, cu_seqlens_k))
+    return _contiguous_like(q).copy_(o), lse if q.dtype == torch.float64 else lse.float()
+
+
+@opaque_op("flash_attn_bwd_twin", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+           "SymInt window_left, SymInt window_right, float scale, float dropout_p, SymInt seed, Tensor? seed_tensor, "
+           "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k) -> (Tensor, Tensor, Tensor)",
+           lambda do, q, k, v, *_: (_contiguous_like(q), _contiguous_like(k), _contiguous_like(v)))
+def _twin_backward_op(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p, seed, seed_tensor,
+                      cu_seqlens_q, cu_seqlens_k):
+    """The twin's backward, run as it is when a compiled graph runs: ``(dq, dk, dv)``."""
+    grads = _twin_backward(do, q, k, v, o, lse, window_left, window_right, scale, dropout_p,
+                           seed_from_op_args(seed, seed_tensor), _twin_varlen(cu_seqlens_q, cu_seqlens_k))
+    return tuple(_contiguous_like(t).copy_(g) for t, g in zip((q, k, v), grads, strict=True))
+
+
 #: recorded launches of eager calls, by call signature (``_eager_signature``)
 _FORWARD_CALLS = PreparedCache()
 _BACKWARD_CALLS = PreparedCache()
@@ -435,8 +488,15 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
     An eager dense call replays the launches recorded by the first call with the same signature
     (``kernels._common.launch.Recording``): a few us of host time instead of building ~40 arguments anew."""
     if backend_for(q) == "reference":
+        if traceable:
+            return _twin_forward_op(q, k, v, left, right, scale, dropout_p, *op_seed_args(seed), *_cu_seqlens(varlen),
+                                    *(varlen[2:] if varlen else (0, 0)))
         o, lse = _twin_forward(q, k, v, left, right, scale, dropout_p, seed, varlen)
-        return o, lse.float()
+        return o, lse if q.dtype == torch.float64 else lse.float()
+    if interpreter_needs_fp32(q):
+        o, lse = _fwd_impl(q.float(), k.float(), v.float(), left, right, scale, dropout_p, seed, varlen,
+                           traceable=traceable)
+        return o.to(q.dtype), lse
     if traceable and uses_hopper_forward(q, k, v, dropout_p, varlen, traced=True, left=left, right=right):
         return torch.ops.fused_kernels.flash_attn_fwd_gluon(q, k, v, left, right, scale)
     b, hq = _dims(q, k, varlen)[:2]
@@ -471,9 +531,16 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     b, _, _, _, _, d = _dims(q, k, varlen)
     too_wide_for_fp32 = q.dtype == torch.float32 and configs.block_d(d) > configs.FP32_MAX_KERNEL_BWD_DIM
     if backend_for(q) == "reference" or too_wide_for_fp32:
+        if traceable:
+            return _twin_backward_op(do, q, k, v, o, lse, left, right, scale, dropout_p, *op_seed_args(seed),
+                                     *_cu_seqlens(varlen))
         return _twin_backward(do, q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen)
     if nothing_to_launch(q) or k.numel() == 0 or b == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if interpreter_needs_fp32(q):
+        dq, dk, dv = _bwd_impl(do.float(), q.float(), k.float(), v.float(), o.float(), lse, left, right, scale,
+                               dropout_p, seed, varlen, traceable=traceable, deterministic=deterministic)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     if traceable and uses_hopper_backward(q, k, v, do, dropout_p, varlen, deterministic, traced=True):
         return torch.ops.fused_kernels.flash_attn_bwd_gluon(do, q, k, v, o, lse, left, right, scale, dropout_p,
                                                             *op_seed_args(seed), deterministic)
@@ -761,7 +828,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     (-1: unbounded; with ``causal`` the right side is 0), as in FlashAttention-2. Key blocks outside the
     band are skipped, so a sliding window costs O(S · window). A query that sees no key gets zeros and a
     log-sum-exp of -inf. ``return_lse`` adds the natural-log log-sum-exp (B, Hq, Sq) fp32 (of the undropped
-    scores).
+    scores; float64 for float64 inputs, which run the twin in float64 on any device).
 
     ``dropout_p`` in [0, 1) drops normalised probabilities and rescales the kept ones by ``1 / (1 - p)``.
     Keep decisions are 8-bit, as in FlashAttention-2, so ``p`` is rounded to a multiple of 1/256 (at most
@@ -848,6 +915,31 @@ def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise TypeError(f"{name} must be a non-negative int, got {m!r}")
+    # a traced call's lengths are known when the graph runs: the twin's op checks them then (``_twin_forward_op``)
+    if (backend_for(q) == "reference" or indices_checked(q.device)) and not torch.compiler.is_compiling():
+        _check_cumulative_lengths("q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        _check_cumulative_lengths("k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+
+
+def _check_cumulative_lengths(of: str, cu: torch.Tensor, rows: int, max_seqlen: int) -> None:
+    """``cu_seqlens_<of>``, read on the host: starts at 0, never decreases, ends at q's row count (every query row
+    belongs to a sequence: rows past the end would be left unwritten) or within k's, and no sequence is longer than
+    ``max_seqlen_<of>`` (the kernels' grid would leave its rows past that unwritten)."""
+    values = cu.tolist()
+    name = f"cu_seqlens_{of}"
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    for b in range(len(values) - 1):
+        length = values[b + 1] - values[b]
+        if length < 0:
+            raise ValueError(f"{name} must not decrease, but {name}[{b + 1}] = {values[b + 1]} < {name}[{b}] = "
+                             f"{values[b]}")
+        if length > max_seqlen:
+            raise ValueError(f"sequence {b} has {length} {'queries' if of == 'q' else 'keys'}, more than "
+                             f"max_seqlen_{of} = {max_seqlen}")
+    if (values[-1] != rows) if of == "q" else (values[-1] > rows):
+        relation = "equal" if of == "q" else "be at most"
+        raise ValueError(f"{name}[-1] = {values[-1]} must {relation} the number of rows of {of}, {rows}")
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -860,6 +952,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     grid; a smaller value than the true maximum leaves rows unwritten, so pass the real maximum). Each
     sequence is attended alone, with the masks and dropout of :func:`flash_attention` (sequence ``b``
     draws the dropout mask of batch row ``b``). ``return_lse`` adds the log-sum-exp as ``(Hq, total_q)``.
+
+    Index checks: on CPU tensors (and float64 ones) the cumulative lengths are read and checked on every call
+    (``ValueError`` unless they start at 0, never decrease, end at ``total_q`` (and within ``total_k``) and no
+    sequence exceeds its ``max_seqlen``). On CUDA they are not read back by default (that waits for the GPU);
+    ``FUSED_KERNELS_CHECK_INDICES=1`` in the environment checks them there too.
     """
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)

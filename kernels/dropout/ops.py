@@ -11,7 +11,8 @@ public function calls the registered ops, which share the same implementation. O
 - ``dropout_(x, p, seed, seed_tensor=None) -> ()``: in place, for tensors that need no gradient.
 
 Both are ``torch.library.triton_op``s, so torch.compile sees the Triton kernel. On CPU tensors without
-the Triton interpreter they run the twin ``reference.dropout`` (bit-identical).
+the Triton interpreter, and on float64 tensors, they run the twin ``reference.dropout`` (bit-identical), under
+torch.compile through the opaque op ``dropout_twin`` (``kernels._common.opaque``).
 
 Launch rule: one program per ``4 * LANE_STRIDE * CHUNKS`` elements, CHUNKS and the warps from
 ``kernels.dropout.configs``; a strided view that one of the strided kernels fits runs there, in place, with the
@@ -33,9 +34,11 @@ from kernels._common import (
     check_probability,
     check_seed,
     check_tensor,
+    interpreter_needs_fp32,
     kernel_for,
     nothing_to_launch,
 )
+from kernels._common.opaque import opaque_op
 from kernels._common.seed import (
     Seed,
     dropout_scalars,
@@ -141,7 +144,11 @@ def _dropout_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = Fa
     when already known). A strided view is read in place where a kernel fits its layout (the result then has
     the view's strides, as torch's), else copied to contiguous first."""
     if backend_for(x) == "reference":
+        if traceable:
+            return _dropout_twin_op(x, p, *op_seed_args(seed))
         return twin.dropout(x, p, seed=seed_value(seed))
+    if interpreter_needs_fp32(x):
+        return _dropout_impl(x.float(), p, seed, traceable=traceable, scalars=scalars).to(x.dtype)
     scalars = scalars or dropout_scalars(p, seed)
     if not x.is_contiguous() and not nothing_to_launch(x):
         out = torch.empty_like(x)
@@ -151,6 +158,13 @@ def _dropout_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = Fa
     out = torch.empty_like(src)
     _launch(src, out, scalars, traceable=traceable)
     return out
+
+
+@opaque_op("dropout_twin", "(Tensor x, float p, SymInt seed, Tensor? seed_tensor) -> Tensor",
+           lambda x, p, seed, seed_tensor: torch.empty_like(x))
+def _dropout_twin_op(x: torch.Tensor, p: float, seed: int, seed_tensor: torch.Tensor | None) -> torch.Tensor:
+    """The twin's dropout, run as it is when a compiled graph runs (``kernels._common.opaque``)."""
+    return torch.empty_like(x).copy_(twin.dropout(x, p, seed=seed_value(seed_from_op_args(seed, seed_tensor))))
 
 
 class _DropoutFunction(torch.autograd.Function):
@@ -192,7 +206,7 @@ dropout_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _dropout_inplace_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = False) -> None:
-    if backend_for(x) == "reference":
+    if backend_for(x) == "reference" or interpreter_needs_fp32(x):
         x.copy_(_dropout_impl(x, p, seed, traceable=traceable))
     elif x.is_contiguous():
         _launch(x, x, dropout_scalars(p, seed), traceable=traceable)
@@ -212,7 +226,8 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int
     """Dropout whose mask is a pure function of ``(seed, element index)`` and is never stored.
 
     Args:
-        x: fp16, bf16 or fp32 tensor of any shape and strides (CUDA; CPU runs the interpreter or the twin).
+        x: fp16, bf16, fp32 or float64 tensor of any shape and strides (CUDA; CPU runs the interpreter or the
+            twin; float64 runs the twin on every device).
         p: probability of zeroing an element, in ``[0, 1]``. Kept elements are scaled by ``1 / (1 - p)``.
         training: when False, ``x`` is returned unchanged (as ``torch.nn.functional.dropout``).
         seed: 64-bit seed. ``None`` draws one from torch's generator for ``x.device``, so

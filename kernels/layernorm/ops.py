@@ -6,8 +6,9 @@ torch.compile the public functions call the registered ops, which share the impl
 - ``fused_kernels::norm_fwd(x, weight?, bias?, eps, is_rms, deterministic) -> (y, mean, rstd)``
 - ``fused_kernels::norm_bwd(dy, x, weight?, mean, rstd, is_rms, need_db, deterministic) -> (dx, dw, db)``
 
-``x`` is the input viewed as ``(M, N)`` rows. On CPU tensors without the Triton interpreter the twin
-``reference.layernorm`` runs.
+``x`` is the input viewed as ``(M, N)`` rows. On CPU tensors without the Triton interpreter, and on float64
+tensors, the twin ``reference.layernorm`` runs; under torch.compile through the opaque ops ``norm_fwd_twin``,
+``norm_bwd_twin``, ``add_dropout_norm_fwd_twin`` and ``add_dropout_norm_bwd_twin`` (``kernels._common.opaque``).
 
 Launch configurations (tiles, warps, grids) come from ``kernels.layernorm.configs``. An eager
 ``add_dropout_norm`` call checks its arguments once per call signature (``kernels._common.eager``).
@@ -49,6 +50,7 @@ from kernels._common.launch import (
     replayed,
 )
 from kernels._common.launch import kernels_from as swap_kernels
+from kernels._common.opaque import opaque_op
 from kernels._common.runtime import INTERPRETER, is_hopper
 from kernels._common.seed import SEED_WORD_PARAMETERS, Seed
 from kernels.layernorm import _hopper, configs
@@ -120,16 +122,10 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, tracea
     is contiguous) and dtype (or ``y_dtype``), ``mean``/``rstd`` are fp32 of M = x.numel() / n (``mean`` is
     empty for RMSNorm)."""
     n = x.shape[-1] if n is None else n
-    if backend_for(x) == "reference":
-        # the twin takes rows and flat parameters: a (4, 6) normalized_shape is rows of 24
-        x2 = x.reshape(-1, n)
-        weight = None if weight is None else weight.reshape(-1)
-        bias = None if bias is None else bias.reshape(-1)
-        if is_rms:
-            y, rstd = twin.rms_norm_forward(x2, weight, eps)
-            return y.reshape(x.shape).to(y_dtype or x.dtype), torch.empty(0, device=x.device), rstd
-        y, mean, rstd = twin.layer_norm_forward(x2, weight, bias, eps)
-        return y.reshape(x.shape).to(y_dtype or x.dtype), mean, rstd
+    if backend_for(x, weight, bias) == "reference":
+        if traceable:  # the registered op's call: rows of the last dim, y in x's dtype
+            return _norm_fwd_twin_op(x, weight, bias, eps, is_rms)
+        return _norm_fwd_twin(x, weight, bias, eps, is_rms, n, y_dtype)
     x, stride_x = _rows(x, n)
     m = x.numel() // n if n else 0
     # empty_like: ~3.5 us of host time against ~8 for torch.empty(x.shape, device=..., dtype=...) (H100 host)
@@ -225,17 +221,11 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
     dw_dtype, db_dtype = grad_dtypes or (torch.float32, torch.float32)
     dw_shape = weight.shape if need_dw else (0,)
     db_shape = bias_shape if need_db and bias_shape is not None else (n if need_db else 0,)
-    if backend_for(x) == "reference":
-        x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
-        w = None if weight is None else weight.reshape(-1)
-        if is_rms:
-            dx, dw = twin.rms_norm_backward(dy2, x2, w, rstd)
-            db = None
-        else:
-            dx, dw, db = twin.layer_norm_backward(dy2, x2, w, mean, rstd)
-        empty = torch.empty(0, device=x.device)
-        return (dx.reshape(x.shape).to(dx_dtype or x.dtype), dw.to(dw_dtype).reshape(dw_shape) if need_dw else empty,
-                db.to(db_dtype).reshape(db_shape) if need_db else empty)
+    if backend_for(x, weight, dy) == "reference":
+        if traceable:  # the registered op's call: rows of the last dim, fp32 dW/dB
+            return _norm_bwd_twin_op(dy, x, weight, mean, rstd, is_rms, need_db)
+        return _norm_bwd_twin(dy, x, weight, mean, rstd, is_rms, need_db, n, dw_dtype, db_dtype, dw_shape, db_shape,
+                              dx_dtype)
     x, stride_x = _rows(x, n)
     dy, stride_dy = _rows(dy, n)
     m = x.numel() // n if n else 0
@@ -377,6 +367,70 @@ def _backward_workspace(device: torch.device, slots: int, n: int, need_partial: 
             _WORKSPACES.clear()
         workspace = _WORKSPACES[key] = fresh()
     return workspace
+
+
+def _norm_fwd_twin(x, weight, bias, eps, is_rms, n, y_dtype):
+    """``_norm_fwd_impl`` of the twin: the twin takes rows and flat parameters (a (4, 6) normalized_shape is rows of
+    24); ``mean``/``rstd`` in its compute dtype (float64 for float64 rows)."""
+    x2 = twin.as_rows(x, n)
+    weight = None if weight is None else weight.reshape(-1)
+    bias = None if bias is None else bias.reshape(-1)
+    if is_rms:
+        y, rstd = twin.rms_norm_forward(x2, weight, eps)
+        return y.reshape(x.shape).to(y_dtype or x.dtype), torch.empty(0, device=x.device), rstd
+    y, mean, rstd = twin.layer_norm_forward(x2, weight, bias, eps)
+    return y.reshape(x.shape).to(y_dtype or x.dtype), mean, rstd
+
+
+def _norm_bwd_twin(dy, x, weight, mean, rstd, is_rms, need_db, n, dw_dtype, db_dtype, dw_shape, db_shape, dx_dtype):
+    """``_norm_bwd_impl`` of the twin: ``(dx, dw, db)``, an empty fp32 tensor for each gradient not asked for."""
+    x2, dy2 = twin.as_rows(x, n), twin.as_rows(dy, n)
+    w = None if weight is None else weight.reshape(-1)
+    if is_rms:
+        dx, dw = twin.rms_norm_backward(dy2, x2, w, rstd)
+        db = None
+    else:
+        dx, dw, db = twin.layer_norm_backward(dy2, x2, w, mean, rstd)
+    empty = torch.empty(0, device=x.device)
+    return (dx.reshape(x.shape).to(dx_dtype or x.dtype), dw.to(dw_dtype).reshape(dw_shape) if weight is not None
+            else empty, db.to(db_dtype).reshape(db_shape) if need_db else empty.clone())
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _norm_fwd_twin_fake(x, weight, bias, eps, is_rms):
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(0 if is_rms else m, dtype=torch.float32 if is_rms else _stats_dtype(x)),
+            x.new_empty(m, dtype=_stats_dtype(x)))
+
+
+@opaque_op("norm_fwd_twin", "(Tensor x, Tensor? weight, Tensor? bias, float eps, bool is_rms) -> (Tensor, Tensor, "
+           "Tensor)", _norm_fwd_twin_fake)
+def _norm_fwd_twin_op(x, weight, bias, eps, is_rms):
+    """The twin's forward of the registered op, run as it is when a compiled graph runs (``kernels._common.opaque``):
+    the twin's numbers, traced, would take inductor's CPU code generation tens of seconds to compile."""
+    y, mean, rstd = _norm_fwd_twin(x, weight, bias, eps, is_rms, x.shape[-1], None)
+    return y.contiguous(), mean, rstd
+
+
+def _norm_bwd_twin_fake(dy, x, weight, mean, rstd, is_rms, need_db):
+    n = x.shape[-1]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(n if weight is not None else 0, dtype=torch.float32),
+            x.new_empty(n if need_db else 0, dtype=torch.float32))
+
+
+@opaque_op("norm_bwd_twin", "(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool is_rms, "
+           "bool need_db) -> (Tensor, Tensor, Tensor)", _norm_bwd_twin_fake)
+def _norm_bwd_twin_op(dy, x, weight, mean, rstd, is_rms, need_db):
+    """The twin's backward of the registered op: ``(dx, dw, db)``, fp32 dW/dB (empty where not asked for)."""
+    n = x.shape[-1]
+    dx, dw, db = _norm_bwd_twin(dy, x, weight, mean, rstd, is_rms, need_db, n, torch.float32, torch.float32,
+                                (n,), (n,), None)
+    return dx.contiguous(), dw, db
 
 
 class _NormFunction(torch.autograd.Function):
@@ -525,11 +579,12 @@ def _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p
     ``residual_dtype``, ``y = norm(residual_out)`` in ``y_dtype`` (both contiguous, ``x``'s shape); the
     twin's on CPU tensors without the interpreter (``mean``/``rstd`` then empty: its backward recomputes)."""
     n = x.shape[-1]
-    if backend_for(x) == "reference":
-        y, residual_out = twin.add_dropout_norm(
-            x, residual, weight, bias, kind="rms" if is_rms else "layer", eps=eps, dropout_p=dropout_p,
-            seed=seeds.seed_value(seed) if dropout_p > 0 else None, residual_dtype=residual_dtype)
-        return y.to(y_dtype), residual_out, torch.empty(0, device=x.device), torch.empty(0, device=x.device)
+    if backend_for(x, residual, weight, bias, residual_dtype, y_dtype) == "reference":
+        if traceable:
+            return _add_dropout_norm_fwd_twin_op(x, residual, weight, bias, eps, is_rms, dropout_p,
+                                                 *seeds.op_seed_args(seed), residual_dtype, y_dtype)
+        return _add_dropout_norm_fwd_twin(x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype,
+                                          y_dtype)
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     # empty_like: ~3.5 us of host time against ~8 for torch.empty(x.shape, device=..., dtype=...) (H100 host)
@@ -573,17 +628,79 @@ def _add_dropout_norm_bwd_impl(dy, dresidual_out, residual_out, weight, mean, rs
     """``(dx, dresidual, dw, db)``: ``dr = norm backward(dy) + dresidual_out`` in fp32, ``dresidual = dr`` in
     residual_out's dtype (None without a residual), ``dx = dropout(dr in x's dtype)`` with the forward's
     mask. ``dresidual_out`` may be None (residual_out unused downstream)."""
-    if backend_for(residual_out) == "reference":
-        dx, dresidual, dw, db = twin.add_dropout_norm_backward(
-            dy, dresidual_out, residual_out, weight, kind="rms" if is_rms else "layer", eps=eps,
-            dropout_p=dropout_p, seed=seeds.seed_value(seed) if dropout_p > 0 else None, x_dtype=x_dtype)
-        return dx, dresidual if has_residual else None, dw, db
+    if backend_for(residual_out, dy, weight, x_dtype) == "reference":
+        if traceable:
+            return _add_dropout_norm_bwd_twin_op(dy, dresidual_out, residual_out, weight, eps, is_rms, dropout_p,
+                                                 *seeds.op_seed_args(seed), x_dtype, has_residual)
+        return _add_dropout_norm_bwd_twin(dy, dresidual_out, residual_out, weight, eps, is_rms, dropout_p, seed,
+                                          x_dtype, has_residual)
     dresidual_out = None if dresidual_out is None else dresidual_out.contiguous()
     dresidual = torch.empty_like(residual_out) if has_residual else None
     fused = (dresidual_out, dresidual, dropout_p, seed)
     dx, dw, db = _norm_bwd_impl(dy, residual_out, weight, mean, rstd, is_rms, need_db, deterministic,
                                 grad_dtypes=grad_dtypes, dx_dtype=x_dtype, fused=fused, traceable=traceable)
     return dx, dresidual, dw, db
+
+
+def _add_dropout_norm_fwd_twin(x, residual, weight, bias, eps, is_rms, dropout_p, seed, residual_dtype, y_dtype):
+    """``_add_dropout_norm_fwd_impl`` of the twin (``mean``/``rstd`` empty: its backward recomputes them)."""
+    y, residual_out = twin.add_dropout_norm(
+        x, residual, weight, bias, kind="rms" if is_rms else "layer", eps=eps, dropout_p=dropout_p,
+        seed=seeds.seed_value(seed) if dropout_p > 0 else None, residual_dtype=residual_dtype, out_dtype=y_dtype)
+    return y, residual_out, torch.empty(0, device=x.device), torch.empty(0, device=x.device)
+
+
+def _add_dropout_norm_bwd_twin(dy, dresidual_out, residual_out, weight, eps, is_rms, dropout_p, seed, x_dtype,
+                               has_residual):
+    """``_add_dropout_norm_bwd_impl`` of the twin: ``(dx, dresidual, dw, db)``."""
+    dx, dresidual, dw, db = twin.add_dropout_norm_backward(
+        dy, dresidual_out, residual_out, weight, kind="rms" if is_rms else "layer", eps=eps,
+        dropout_p=dropout_p, seed=seeds.seed_value(seed) if dropout_p > 0 else None, x_dtype=x_dtype)
+    return dx, dresidual if has_residual else None, dw, db
+
+
+def _add_dropout_norm_fwd_twin_fake(x, residual, weight, bias, eps, is_rms, dropout_p, seed, seed_tensor,
+                                    residual_dtype, y_dtype):
+    empty = x.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(x, dtype=y_dtype), torch.empty_like(x, dtype=residual_dtype), empty, empty.clone()
+
+
+@opaque_op("add_dropout_norm_fwd_twin", "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, "
+           "bool is_rms, float dropout_p, SymInt seed, Tensor? seed_tensor, ScalarType residual_dtype, "
+           "ScalarType y_dtype) -> (Tensor, Tensor, Tensor, Tensor)", _add_dropout_norm_fwd_twin_fake)
+def _add_dropout_norm_fwd_twin_op(x, residual, weight, bias, eps, is_rms, dropout_p, seed, seed_tensor,
+                                  residual_dtype, y_dtype):
+    """The twin's forward, run as it is when a compiled graph runs (``kernels._common.opaque``)."""
+    y, residual_out, mean, rstd = _add_dropout_norm_fwd_twin(
+        x, residual, weight, bias, eps, is_rms, dropout_p, seeds.seed_from_op_args(seed, seed_tensor),
+        residual_dtype, y_dtype)
+    return (torch.empty_like(x, dtype=y_dtype).copy_(y),
+            torch.empty_like(x, dtype=residual_dtype).copy_(residual_out), mean.float(), rstd.float())
+
+
+def _add_dropout_norm_bwd_twin_fake(dy, dresidual_out, residual_out, weight, eps, is_rms, dropout_p, seed,
+                                    seed_tensor, x_dtype, has_residual):
+    n = residual_out.shape[-1]
+    dw_dtype = residual_out.dtype if weight is None else weight.dtype
+    return (torch.empty_like(residual_out, dtype=x_dtype), torch.empty_like(residual_out),
+            residual_out.new_empty(n if weight is not None else 0, dtype=dw_dtype),
+            residual_out.new_empty(n if not is_rms else 0, dtype=dw_dtype))
+
+
+@opaque_op("add_dropout_norm_bwd_twin", "(Tensor dy, Tensor? dresidual_out, Tensor residual_out, Tensor? weight, "
+           "float eps, bool is_rms, float dropout_p, SymInt seed, Tensor? seed_tensor, ScalarType x_dtype, "
+           "bool has_residual) -> (Tensor, Tensor, Tensor, Tensor)", _add_dropout_norm_bwd_twin_fake)
+def _add_dropout_norm_bwd_twin_op(dy, dresidual_out, residual_out, weight, eps, is_rms, dropout_p, seed, seed_tensor,
+                                  x_dtype, has_residual):
+    """The twin's backward, run as it is when a compiled graph runs; every result a tensor of its own (an empty
+    one where there is none): ``(dx, dresidual, dw, db)``."""
+    dx, dresidual, dw, db = _add_dropout_norm_bwd_twin(
+        dy, dresidual_out, residual_out, weight, eps, is_rms, dropout_p, seeds.seed_from_op_args(seed, seed_tensor),
+        x_dtype, has_residual)
+    fakes = _add_dropout_norm_bwd_twin_fake(dy, dresidual_out, residual_out, weight, eps, is_rms, dropout_p, seed,
+                                            seed_tensor, x_dtype, has_residual)
+    results = (dx, dresidual, dw if weight is not None else None, db if not is_rms else None)
+    return tuple(fake if got is None else fake.copy_(got) for fake, got in zip(fakes, results, strict=True))
 
 
 class _AddDropoutNormFunction(torch.autograd.Function):
@@ -672,7 +789,7 @@ add_dropout_norm_fwd_op.register_autograd(_add_dropout_norm_backward, setup_cont
 
 
 def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None, *, kind: str = "layer", eps: float | None = 1e-5,
+                     bias: torch.Tensor | None = None, *, kind: str = "layer", eps: float | None = None,
                      dropout_p: float = 0.0, seed: int | None = None, training: bool = True,
                      residual_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
                      deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -682,7 +799,8 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
       None), added in fp32 and rounded once to ``residual_dtype``: by default ``residual``'s dtype (``x``'s
       without one); ``torch.float32`` keeps the residual stream in fp32;
     - ``y = norm(residual_out) * weight + bias`` over the last dim, ``kind="layer"`` (LayerNorm) or ``"rms"``
-      (RMSNorm, no bias; ``eps=None`` then follows torch's rule, see :func:`rms_norm`), statistics in fp32
+      (RMSNorm, no bias), ``eps=None`` giving each norm's default (1e-5 for LayerNorm, as
+      :func:`layer_norm`; torch's rule for RMSNorm, see :func:`rms_norm`), statistics in fp32
       from the rounded ``residual_out``, ``y`` in ``x``'s dtype; under CUDA autocast in fp32, as torch's
       norms give it (the dropout and the add keep their dtypes, as torch's do). ``out_dtype`` gives ``y``'s
       dtype instead, autocast or not: where ``y`` feeds a matmul that autocast runs in bf16 (a pre-norm block's
@@ -727,7 +845,7 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be one of {FLOAT_DTYPES} or None, got {dtype!r}")
     check_same_device(x=x, residual=residual, weight=weight, bias=bias)
-    eps = twin.rms_norm_eps(eps, x.dtype) if is_rms else eps
+    eps = twin.rms_norm_eps(eps, x.dtype) if is_rms else (1e-5 if eps is None else eps)
     eps = check_finite_number("eps", eps, minimum=0.0)
     dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
     seed = check_seed("seed", seed)
@@ -736,7 +854,8 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
         dropout_p = 0.0
     residual_dtype = residual_dtype or (x.dtype if residual is None else residual.dtype)
     # autocast: y comes out as torch's norm gives it (fp32 on CUDA); the dropout and the add keep their dtypes
-    y_dtype = out_dtype or autocast_dtype("rms_norm" if is_rms else "layer_norm", x.device.type) or x.dtype
+    y_dtype = out_dtype or (x.dtype if x.dtype == torch.float64 else None) or autocast_dtype(
+        "rms_norm" if is_rms else "layer_norm", x.device.type) or x.dtype
     if torch.compiler.is_compiling():
         seed = seeds.seed_for_call(seed, x.device) if dropout_p > 0 else 0
         y, residual_out, _, _ = torch.ops.fused_kernels.add_dropout_norm_fwd(
