@@ -336,6 +336,25 @@ def test_compile_fullgraph_on_the_cpu_twin_path(name, inductor_cpu_started):
         assert elapsed < 60, f"compiling {name} took {elapsed:.0f} s"
 
 
+def test_compiled_ops_fed_by_the_graphs_own_tensors_match_eager():
+    """Every family inside arithmetic that the compiled graph computes itself, on this mode's device: on CPU tensors a
+    compiled call runs the twin (the interpreter, traced into the graph, computed NaN from inductor's buffers)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, gain = (torch.randn(*s, generator=g).to(DEVICE) for s in ((6, 64), (64, 64), (64,)))
+
+    def f(x, w, gain):
+        h = F.linear(x, w) * 2.0
+        h = rms_norm(h, 64, gain) + layer_norm(h, 64)
+        h = dropout(h, 0.25, seed=5) + 1.0
+        q = h.view(6, 4, 16).transpose(0, 1)[None]
+        return flash_attention(q, q * 0.5, q, causal=True).sum(-1) + add_dropout_norm(h, h, gain, kind="rms")[0][0, 0]
+
+    expected = f(x, w, gain)
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True)(x, w, gain)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_compile_fullgraph_kvcache_on_the_device_path():
     """The KV-cache op under torch.compile on this mode's device: the caches are written as in eager."""
     q, k_cache, v_cache, k, v = (t.to(DEVICE) for t in _twin_cases()["flash_attention_with_kvcache"][1])

@@ -48,10 +48,15 @@ Backend = Literal["triton", "reference"]
 _cpu_backend: Backend = "triton" if INTERPRETER else "reference"
 
 
-def backend_for(x: torch.Tensor, *others: torch.Tensor | torch.dtype | None) -> Backend:
+def backend_for(x: torch.Tensor, *others: torch.Tensor | torch.dtype | None, traced: bool = False) -> Backend:
     """Which implementation runs for a tensor on ``x.device`` (see the module docstring): the twin when ``x`` or any
-    of ``others`` (tensors, dtypes or None) is float64."""
+    of ``others`` (tensors, dtypes or None) is float64, and for a call of a registered op (``traced``) on CPU fake
+    tensors, i.e. while torch.compile traces it: a Triton kernel traced into a compiled graph does not run under the
+    interpreter there (inductor hands it its own CPU buffers, and the interpreter computed NaN and numbers of 1e30
+    from them), so compiled CPU calls run the twin, as opaque ops (``kernels._common.opaque``)."""
     kind = x.device.type
+    if traced and kind == "cpu" and is_fake(x):
+        return "reference"
     if x.dtype == torch.float64 or (others and any(_is_float64(o) for o in others)):
         if kind not in ("cuda", "cpu"):
             _unsupported_device(x)

@@ -487,7 +487,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
 
     An eager dense call replays the launches recorded by the first call with the same signature
     (``kernels._common.launch.Recording``): a few us of host time instead of building ~40 arguments anew."""
-    if backend_for(q) == "reference":
+    if backend_for(q, traced=traceable) == "reference":
         if traceable:
             return _twin_forward_op(q, k, v, left, right, scale, dropout_p, *op_seed_args(seed), *_cu_seqlens(varlen),
                                     *(varlen[2:] if varlen else (0, 0)))
@@ -530,7 +530,7 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     ``_fwd_impl``)."""
     b, _, _, _, _, d = _dims(q, k, varlen)
     too_wide_for_fp32 = q.dtype == torch.float32 and configs.block_d(d) > configs.FP32_MAX_KERNEL_BWD_DIM
-    if backend_for(q) == "reference" or too_wide_for_fp32:
+    if backend_for(q, traced=traceable) == "reference" or too_wide_for_fp32:
         if traceable:
             return _twin_backward_op(do, q, k, v, o, lse, left, right, scale, dropout_p, *op_seed_args(seed),
                                      *_cu_seqlens(varlen))

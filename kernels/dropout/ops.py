@@ -143,7 +143,7 @@ def _dropout_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = Fa
     implementation behind the eager path and the registered op (``scalars``: ``dropout_scalars(p, seed)``
     when already known). A strided view is read in place where a kernel fits its layout (the result then has
     the view's strides, as torch's), else copied to contiguous first."""
-    if backend_for(x) == "reference":
+    if backend_for(x, traced=traceable) == "reference":
         if traceable:
             return _dropout_twin_op(x, p, *op_seed_args(seed))
         return twin.dropout(x, p, seed=seed_value(seed))
@@ -206,7 +206,7 @@ dropout_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _dropout_inplace_impl(x: torch.Tensor, p: float, seed: Seed, *, traceable: bool = False) -> None:
-    if backend_for(x) == "reference" or interpreter_needs_fp32(x):
+    if backend_for(x, traced=traceable) == "reference" or interpreter_needs_fp32(x):
         x.copy_(_dropout_impl(x, p, seed, traceable=traceable))
     elif x.is_contiguous():
         _launch(x, x, dropout_scalars(p, seed), traceable=traceable)

@@ -122,7 +122,7 @@ def _norm_fwd_impl(x, weight, bias, eps, is_rms, *, n=None, y_dtype=None, tracea
     is contiguous) and dtype (or ``y_dtype``), ``mean``/``rstd`` are fp32 of M = x.numel() / n (``mean`` is
     empty for RMSNorm)."""
     n = x.shape[-1] if n is None else n
-    if backend_for(x, weight, bias) == "reference":
+    if backend_for(x, weight, bias, traced=traceable) == "reference":
         if traceable:  # the registered op's call: rows of the last dim, y in x's dtype
             return _norm_fwd_twin_op(x, weight, bias, eps, is_rms)
         return _norm_fwd_twin(x, weight, bias, eps, is_rms, n, y_dtype)
@@ -221,7 +221,7 @@ def _norm_bwd_impl(dy, x, weight, mean, rstd, is_rms, need_db, deterministic, *,
     dw_dtype, db_dtype = grad_dtypes or (torch.float32, torch.float32)
     dw_shape = weight.shape if need_dw else (0,)
     db_shape = bias_shape if need_db and bias_shape is not None else (n if need_db else 0,)
-    if backend_for(x, weight, dy) == "reference":
+    if backend_for(x, weight, dy, traced=traceable) == "reference":
         if traceable:  # the registered op's call: rows of the last dim, fp32 dW/dB
             return _norm_bwd_twin_op(dy, x, weight, mean, rstd, is_rms, need_db)
         return _norm_bwd_twin(dy, x, weight, mean, rstd, is_rms, need_db, n, dw_dtype, db_dtype, dw_shape, db_shape,
@@ -579,7 +579,7 @@ def _add_dropout_norm_fwd_impl(x, residual, weight, bias, eps, is_rms, dropout_p
     ``residual_dtype``, ``y = norm(residual_out)`` in ``y_dtype`` (both contiguous, ``x``'s shape); the
     twin's on CPU tensors without the interpreter (``mean``/``rstd`` then empty: its backward recomputes)."""
     n = x.shape[-1]
-    if backend_for(x, residual, weight, bias, residual_dtype, y_dtype) == "reference":
+    if backend_for(x, residual, weight, bias, residual_dtype, y_dtype, traced=traceable) == "reference":
         if traceable:
             return _add_dropout_norm_fwd_twin_op(x, residual, weight, bias, eps, is_rms, dropout_p,
                                                  *seeds.op_seed_args(seed), residual_dtype, y_dtype)
@@ -628,7 +628,7 @@ def _add_dropout_norm_bwd_impl(dy, dresidual_out, residual_out, weight, mean, rs
     """``(dx, dresidual, dw, db)``: ``dr = norm backward(dy) + dresidual_out`` in fp32, ``dresidual = dr`` in
     residual_out's dtype (None without a residual), ``dx = dropout(dr in x's dtype)`` with the forward's
     mask. ``dresidual_out`` may be None (residual_out unused downstream)."""
-    if backend_for(residual_out, dy, weight, x_dtype) == "reference":
+    if backend_for(residual_out, dy, weight, x_dtype, traced=traceable) == "reference":
         if traceable:
             return _add_dropout_norm_bwd_twin_op(dy, dresidual_out, residual_out, weight, eps, is_rms, dropout_p,
                                                  *seeds.op_seed_args(seed), x_dtype, has_residual)
