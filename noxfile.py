@@ -49,6 +49,9 @@ def _install(session: nox.Session, extra: str) -> None:
         session.install("-c", "constraints/cpu.txt", "-e", f".[{extra}]")
 
 
+TEST_EXTRAS = "test,transformers"  # the transformers integration's tests run with the rest
+
+
 def _targets(posargs: list[str], folder: str, pattern: str) -> tuple[list[str], list[str]]:
     """Split posargs into the files of a named family (if the first posarg names one) and pytest args."""
     if posargs and posargs[0] in FAMILIES:
@@ -63,7 +66,7 @@ def _targets(posargs: list[str], folder: str, pattern: str) -> tuple[list[str], 
 @nox.session(venv_params=VENV_PARAMS)
 def tests(session: nox.Session) -> None:
     """Run the test suite (CUDA with a GPU, else the Triton interpreter). Posargs: [family] [pytest args]."""
-    _install(session, "test")
+    _install(session, TEST_EXTRAS)
     files, args = _targets(session.posargs, "tests", "test_{family}*.py")
     session.run("python", "-m", "pytest", *files, *args)
 

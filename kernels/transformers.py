@@ -1,0 +1,289 @@
+"""Hugging Face transformers: our attention and norms inside a transformers model.
+
+    import kernels.transformers                 # registers attn_implementation="fused_kernels"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="fused_kernels")
+    kernels.transformers.apply(model)          # or on a built model: attention and every norm it knows
+
+Importing this module (transformers is an optional dependency: ``pip install fused-kernels[transformers]``;
+``import kernels`` never imports it) registers the attention implementation ``"fused_kernels"`` with
+``transformers.AttentionInterface`` and its mask function with ``AttentionMaskInterface``: the mask a model builds
+for it is None (no padding) or the 2-D padding mask, never a dense one.
+
+The attention function (:func:`attention_forward`) takes what transformers passes:
+- no padding: :func:`kernels.attention.flash_attention` on the (B, H, S, D) tensors as they are (GQA/MQA without
+  expanding K/V; causal or bidirectional by the module's ``is_causal``; queries aligned bottom-right to the keys,
+  which is where a cache puts them; ``sliding_window`` as the window; ``scaling``; ``dropout`` in training);
+- a 2-D padding mask (left or right padding, prefill or decoding): the tokens are gathered once per forward (the
+  indices, computed for the mask object a forward passes to all its layers, are kept while it lives) and attended
+  packed by :func:`kernels.attention.flash_attention_varlen`, then scattered back (padded query rows get zeros);
+- a StaticCache's keys past the mask's length are not attended (the mask's length is what has been written).
+What the kernels cannot do falls back, for that call, to an implementation of transformers' own, with a one-time
+warning, never a wrong answer: score soft-capping and attention sinks to the model's eager attention (its
+``eager_attention_forward``), a mask that is not a 2-D padding mask, a position bias or attention weights asked
+for to SDPA.
+
+Norms (:func:`apply`): each module of a class in :data:`NORM_CLASSES` computes with
+:func:`kernels.layernorm.rms_norm` with that class's exact semantics; ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``
+become :mod:`kernels.layernorm`'s drop-ins (``kernels.replace_modules``). The module keeps its identity, parameters,
+hooks and ``state_dict``; only its class changes, to a subclass of its own class (``isinstance`` holds) with the
+same name. A class not in the table is left alone and reported (never recognised by its name alone).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+import weakref
+
+import torch
+
+try:
+    import transformers  # noqa: F401
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+except ImportError as error:  # pragma: no cover - the optional dependency is missing
+    raise ImportError("kernels.transformers needs transformers: pip install 'fused-kernels[transformers]'") from error
+
+from kernels.attention import flash_attention, flash_attention_varlen
+from kernels.layernorm import rms_norm
+from kernels.swap import replace_modules
+
+#: the attention implementation name this module registers
+NAME = "fused_kernels"
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"fused_kernels attention: {reason}; this call runs transformers' own attention", stacklevel=3)
+
+
+# --- attention -----------------------------------------------------------------------------------------------
+
+class _UnpadPlan:
+    """Where a 2-D padding mask's tokens are: flat indices of the query rows and key rows that are tokens, their
+    cumulative lengths per sequence and the longest sequences (one host read of the lengths per plan)."""
+
+    __slots__ = ("cu_k", "cu_q", "index_k", "index_q", "max_k", "max_q", "no_padding")
+
+    def __init__(self, mask: torch.Tensor, q_length: int):
+        keys = mask.bool()
+        queries = keys[:, -q_length:]
+        lengths_k, lengths_q = keys.sum(-1, dtype=torch.int32), queries.sum(-1, dtype=torch.int32)
+        self.index_k = keys.flatten().nonzero().flatten()
+        self.index_q = queries.flatten().nonzero().flatten()
+        zero = torch.zeros(1, dtype=torch.int32, device=mask.device)
+        self.cu_k = torch.cat([zero, lengths_k.cumsum(0, dtype=torch.int32)])
+        self.cu_q = torch.cat([zero, lengths_q.cumsum(0, dtype=torch.int32)])
+        self.max_k, self.max_q = (int(t.max()) if t.numel() else 0 for t in (lengths_k, lengths_q))
+        # every position a token (a StaticCache's mask without padding): the dense call, nothing gathered
+        self.no_padding = self.index_k.numel() == keys.numel()
+
+
+#: plans by padding mask: the mask object a forward passes to every layer, held weakly (a later mask at the same
+#: address is another object, so a plan is never taken for another mask's tokens)
+_PLANS: list[tuple[weakref.ref, int, int, _UnpadPlan]] = []
+_PLANS_LIMIT = 8
+
+
+def _unpad_plan(mask: torch.Tensor, q_length: int) -> _UnpadPlan:
+    for ref, version, length, plan in _PLANS:
+        if ref() is mask and version == mask._version and length == q_length:
+            return plan
+    plan = _UnpadPlan(mask, q_length)
+    _PLANS[:] = [entry for entry in _PLANS if entry[0]() is not None][-(_PLANS_LIMIT - 1):]
+    _PLANS.append((weakref.ref(mask), mask._version, q_length, plan))
+    return plan
+
+
+def _tokens(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows ``index`` of (B, H, S, D) ``t`` as packed (tokens, H, D)."""
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, h, d).index_select(0, index)
+
+
+def _window(sliding_window, causal: bool) -> tuple[int, int]:
+    """transformers' sliding window (``sliding_window`` keys: the query's own and ``sliding_window - 1`` before it)
+    as :func:`flash_attention`'s ``window_size``."""
+    if sliding_window is None or sliding_window <= 0:
+        return -1, -1
+    return sliding_window - 1, -1 if causal else sliding_window - 1
+
+
+def _fallback_reason(module, attention_mask, kwargs) -> str | None:
+    if kwargs.get("softcap") is not None:
+        return "soft-capped scores"
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks"
+    if kwargs.get("position_bias") is not None:
+        return "a position bias"
+    if kwargs.get("output_attentions"):
+        return "attention weights asked for"
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype.is_floating_point):
+        return f"a {attention_mask.dim()}-D {attention_mask.dtype} mask"
+    return None
+
+
+def _dense_mask(mask2d, q_length: int, kv_length: int, causal: bool, left: int, right: int, device) -> torch.Tensor:
+    """The boolean (B or 1, 1, Sq, Sk) mask of what each query sees: the band (bottom-right aligned) and the
+    padding."""
+    i = torch.arange(q_length, device=device)[:, None] + (kv_length - q_length)
+    j = torch.arange(kv_length, device=device)[None, :]
+    keep = torch.ones(q_length, kv_length, dtype=torch.bool, device=device)
+    if causal:
+        keep &= j <= i
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    keep = keep[None, None]
+    if mask2d is not None and mask2d.dim() == 2:
+        keep = keep & mask2d[:, None, None, -kv_length:].bool()
+    return keep
+
+
+def _fallback(module, query, key, value, attention_mask, dropout, scaling, causal, left, right, reason, kwargs):
+    _warn_once(reason)
+    mask = attention_mask
+    if mask is None or mask.dim() == 2:
+        mask = _dense_mask(mask, query.shape[2], key.shape[2], causal, left, right, query.device)
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            if mask.dtype == torch.bool:
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~mask, torch.finfo(query.dtype).min)
+            return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                  is_causal=False, **kwargs)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, sliding_window: int | None = None, **kwargs):
+    """transformers' attention function for ``attn_implementation="fused_kernels"``: query (B, Hq, Sq, D), key and
+    value (B, Hkv, Sk, D) -> ``(output (B, Sq, Hq, D), None)``. See the module docstring for what it takes."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal)
+    left, right = _window(sliding_window, causal)
+    reason = _fallback_reason(module, attention_mask, kwargs)
+    if reason is not None:
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, causal, left, right, reason,
+                         kwargs)
+    if attention_mask is not None and attention_mask.shape[1] < key.shape[2]:
+        # a StaticCache: the mask covers what has been written, from position 0
+        key, value = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]]
+    window = (left, right)
+    b, hq, sq, d = query.shape
+    plan = None if attention_mask is None else _unpad_plan(attention_mask, sq)
+    if plan is None or plan.no_padding:
+        out = flash_attention(query, key, value, causal=causal, softmax_scale=scaling, dropout_p=dropout,
+                              window_size=window)
+        return out.transpose(1, 2), None
+    packed = flash_attention_varlen(_tokens(query, plan.index_q), _tokens(key, plan.index_k),
+                                    _tokens(value, plan.index_k), plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+                                    causal=causal, softmax_scale=scaling, dropout_p=dropout, window_size=window)
+    out = packed.new_zeros(b * sq, hq, d).index_copy(0, plan.index_q, packed)
+    return out.view(b, sq, hq, d), None
+
+
+def _register() -> None:
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+
+
+_register()
+
+
+# --- norms ------------------------------------------------------------------------------------------------
+
+def _llama_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``weight * normalise_fp32(x).to(x.dtype)``: with a weight of x's dtype the product is fused (one rounding
+    instead of two); with another (an fp32 weight under autocast) it is taken as the class takes it."""
+    n = hidden_states.shape[-1]
+    eps = self.variance_epsilon
+    if self.weight.dtype == hidden_states.dtype:
+        y = rms_norm(hidden_states, (n,), self.weight, eps)
+        return y if y.dtype == hidden_states.dtype else y.to(hidden_states.dtype)  # (CUDA autocast gives fp32)
+    normalised = rms_norm(hidden_states, (n,), None, eps)
+    return self.weight * normalised.to(hidden_states.dtype)
+
+
+def _gemma_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``(normalise_fp32(x) * (1 + weight_fp32)).to(x.dtype)``: one rounding, as the class."""
+    y = rms_norm(x, (x.shape[-1],), 1.0 + self.weight.float(), self.eps)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _t5_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """T5's: the normalised rows in fp32, cast to a half-precision weight's dtype, times the weight."""
+    n = hidden_states.shape[-1]
+    if self.weight.dtype in (torch.float16, torch.bfloat16):
+        y = rms_norm(hidden_states.to(self.weight.dtype), (n,), self.weight, self.variance_epsilon)
+        return y if y.dtype == self.weight.dtype else y.to(self.weight.dtype)
+    return rms_norm(hidden_states.float(), (n,), self.weight.float(), self.variance_epsilon)
+
+
+#: the norm classes :func:`apply` knows, ``(module path, class name) -> (forward, what it becomes)``; each forward
+#: states the class's semantics with our ``rms_norm``
+NORM_CLASSES = {
+    ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"): (_llama_forward, "rms_norm (Llama)"),
+    ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm"): (_llama_forward, "rms_norm (Llama)"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"): (_llama_forward, "rms_norm (Llama)"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"): (_llama_forward, "rms_norm (Llama)"),
+    ("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm"): (_gemma_forward, "rms_norm (Gemma, 1 + weight)"),
+    ("transformers.models.t5.modeling_t5", "T5LayerNorm"): (_t5_forward, "rms_norm (T5)"),
+}
+
+_PATCHED: dict[type, type] = {}
+
+
+def _norm_classes() -> dict[type, tuple]:
+    """The classes of :data:`NORM_CLASSES` this transformers has, by class."""
+    found = {}
+    for (path, name), entry in NORM_CLASSES.items():
+        try:
+            cls = getattr(importlib.import_module(path), name)
+        except (ImportError, AttributeError):
+            continue
+        found[cls] = entry
+    return found
+
+
+def _patched(cls: type, forward) -> type:
+    """A subclass of ``cls`` with the same name whose ``forward`` is ``forward``."""
+    if cls not in _PATCHED:
+        _PATCHED[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                    "__qualname__": cls.__qualname__, "_fused_kernels_base": cls})
+    return _PATCHED[cls]
+
+
+def apply(model: torch.nn.Module, *, attention: bool = True, norms: bool = True) -> dict[str, str]:
+    """Make a built transformers ``model`` compute with fused-kernels, in place: its attention implementation
+    becomes ``"fused_kernels"`` (``model.set_attn_implementation``) and every norm module of a known class computes
+    with our kernels (see the module docstring). Returns ``{module name: what it became}``; norm-like modules of
+    classes it does not know (an RMSNorm of a model family not in :data:`NORM_CLASSES`) are listed as ``"left
+    alone: <class>"``. Calling it again changes nothing."""
+    report: dict[str, str] = {}
+    if attention:
+        model.set_attn_implementation(NAME)
+        report[""] = f"attention: {NAME}"
+    if not norms:
+        return report
+    known = _norm_classes()
+    for name, module in model.named_modules():
+        cls = type(module)
+        base = getattr(cls, "_fused_kernels_base", cls)
+        if base in known:
+            forward, what = known[base]
+            module.__class__ = _patched(base, forward)
+            report[name] = what
+        elif "norm" in cls.__name__.lower() and not isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+            report[name] = f"left alone: {cls.__module__}.{cls.__name__}"
+    for name, cls in replace_modules(model, dropout=False).items():
+        report[name] = f"{cls.__name__} -> kernels.layernorm.{cls.__name__}"
+    return report

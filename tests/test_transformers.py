@@ -1,0 +1,153 @@
+"""transformers models with our attention and norms (``kernels.transformers``): tiny configurations, random
+initialisation, no download. Each model family's logits and the gradients of every parameter equal the unpatched
+model's (SDPA) in fp32, with and without padding (left and right); greedy generation gives the same tokens; the
+cases the kernels cannot do fall back with a warning and still match."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kernels.transformers as fused  # noqa: E402  (needs transformers)
+from kernels._mode import DEVICE  # noqa: E402
+
+SEQ, BATCH, VOCAB = 12, 3, 97
+
+
+def _configs():
+    small = {"vocab_size": VOCAB}
+    decoder = {**small, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 64}
+    return {
+        "llama": transformers.LlamaConfig(**decoder),
+        "mistral": transformers.MistralConfig(**decoder, sliding_window=5),
+        "qwen2": transformers.Qwen2Config(**decoder),
+        "gemma": transformers.GemmaConfig(**decoder, head_dim=16),
+        "gpt2": transformers.GPT2Config(**small, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                        embd_pdrop=0.0, attn_pdrop=0.0),
+        "bert": transformers.BertConfig(**small, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=96, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0),
+    }
+
+
+def _model(name: str):
+    config = _configs()[name]
+    torch.manual_seed(0)
+    cls = transformers.BertModel if name == "bert" else transformers.AutoModelForCausalLM
+    model = (cls(config) if name == "bert" else cls.from_config(config, attn_implementation="sdpa"))
+    model.set_attn_implementation("sdpa")
+    return model.to(DEVICE).float()
+
+
+def _batch(padding: str):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    if padding == "right":
+        mask[1, 8:] = 0
+        mask[2, 5:] = 0
+    elif padding == "left":
+        mask[1, :4] = 0
+        mask[2, :7] = 0
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def _output(model, ids, mask):
+    out = model(input_ids=ids, attention_mask=mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _forward_backward(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    out = _output(model, ids, mask)
+    valid = mask.bool()[..., None].to(out.dtype)  # padded positions' outputs are not defined by either
+    (out * valid).square().sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return (out * valid).detach(), grads
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma", "gpt2", "bert"])
+def test_a_patched_model_gives_the_unpatched_models_logits_and_gradients(name, padding):
+    reference = _model(name)
+    ours = copy.deepcopy(reference)
+    report = fused.apply(ours)
+    assert report[""] == "attention: fused_kernels"
+    assert ours.config._attn_implementation == "fused_kernels"
+    norms = [n for n, what in report.items() if n and not what.startswith("left alone")]
+    assert norms, report  # every family here has norms we replace
+    ids, mask = _batch(padding)
+    expected, expected_grads = _forward_backward(reference, ids, mask)
+    got, grads = _forward_backward(ours, ids, mask)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert grads.keys() == expected_grads.keys()
+    for n in grads:
+        scale = max(1.0, expected_grads[n].abs().max().item())
+        torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-3, atol=1e-4 * scale, msg=n)
+
+
+def test_apply_keeps_parameters_state_dict_and_isinstance():
+    model = _model("llama")
+    norm = model.model.norm
+    cls, weight, state = type(norm), norm.weight, copy.deepcopy(model.state_dict())
+    report = fused.apply(model)
+    assert report["model.norm"] == "rms_norm (Llama)" and report["model.layers.0.input_layernorm"]
+    assert model.model.norm is norm and norm.weight is weight and isinstance(norm, cls)
+    assert type(norm).__name__ == cls.__name__ and repr(norm) == repr(norm)
+    assert model.state_dict().keys() == state.keys()
+    assert fused.apply(model) == report  # a second call changes nothing
+
+
+def test_registered_by_name_at_build_time():
+    config = _configs()["llama"]
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="fused_kernels")
+    assert model.config._attn_implementation == "fused_kernels"
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_greedy_generation_gives_the_same_tokens(name, padding):
+    reference = _model(name).eval()
+    ours = copy.deepcopy(reference)
+    fused.apply(ours)
+    ids, mask = _batch(padding)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+def test_soft_capping_falls_back_with_a_warning_and_matches():
+    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, sliding_window=5, attn_logit_softcapping=30.0)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE)
+    ours = copy.deepcopy(reference)
+    fused.apply(ours)
+    fused._WARNED.discard("soft-capped scores")
+    ids, mask = _batch("left")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _output(ours, ids, mask)
+    assert any("soft-capped scores" in str(w.message) for w in caught)
+    expected = _output(reference, ids, mask)
+    valid = mask.bool()[..., None]
+    torch.testing.assert_close(got * valid, expected * valid, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_patched_model_runs_and_matches():
+    reference = _model("llama").eval()
+    ours = copy.deepcopy(reference)
+    fused.apply(ours)
+    ids, mask = _batch("none")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(ours, fullgraph=False)(input_ids=ids, attention_mask=mask).logits
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
