@@ -22,7 +22,6 @@ from kernels._common.runtime import (
 from kernels._common.seed import Seed, device_seed, draw_seed, seed_for_call, splitmix64
 from kernels._common.validate import (
     FLOAT_DTYPES,
-    KERNEL_DTYPES,
     check_finite_number,
     check_float_dtype,
     check_probability,
@@ -37,7 +36,6 @@ LIBRARY_NAMESPACE = "fused_kernels"
 __all__ = [
     "FLOAT_DTYPES",
     "INTERPRETER",
-    "KERNEL_DTYPES",
     "LIBRARY_NAMESPACE",
     "Seed",
     "autocast_cast",
