@@ -6,6 +6,7 @@ Pick one family by naming it first in the posargs; the rest goes to pytest:
     nox -s tests -- dropout           # tests/test_dropout*.py only
     nox -s tests -- dropout -k seed   # ... and pytest's -k
     nox -s bench -- layernorm         # benchmarks/bench_layernorm.py only
+    nox -s bench -- transformers      # benchmarks/bench_transformers.py: whole transformers models
 
 Without a GPU the sessions install ``torch==2.13.0`` (CPU build) and ``triton==3.6.0`` from
 ``constraints/cpu.txt``, so no multi-GB CUDA build is pulled, and the kernels run under the Triton
@@ -53,13 +54,15 @@ TEST_EXTRAS = "test,transformers"  # the transformers integration's tests run wi
 
 
 def _targets(posargs: list[str], folder: str, pattern: str) -> tuple[list[str], list[str]]:
-    """Split posargs into the files of a named family (if the first posarg names one) and pytest args."""
-    if posargs and posargs[0] in FAMILIES:
-        family, rest = posargs[0], posargs[1:]
-        files = sorted(glob.glob(f"{folder}/{pattern.format(family=family)}"))
-        if not files:
-            raise ValueError(f"no {folder} files for family {family!r}")
-        return files, rest
+    """Split posargs into the files of a named family or suite (if the first posarg names one: a kernel family, or
+    any NAME of a ``tests/test_NAME*.py`` / ``benchmarks/bench_NAME*.py``, such as transformers) and pytest args."""
+    if posargs and posargs[0].isidentifier():
+        name, rest = posargs[0], posargs[1:]
+        files = sorted(glob.glob(f"{folder}/{pattern.format(family=name)}"))
+        if files:
+            return files, rest
+        if name in FAMILIES:
+            raise ValueError(f"no {folder} files for family {name!r}")
     return [folder], posargs
 
 
@@ -76,7 +79,7 @@ def bench(session: nox.Session) -> None:
     """Run the benchmarks, writing benchmarks/results/<gpu>/ (smoke mode without a GPU).
 
     Posargs: [family] [pytest args]."""
-    _install(session, "bench")
+    _install(session, "bench,transformers")
     files, args = _targets(session.posargs, "benchmarks", "bench_{family}*.py")
     session.run("python", "-m", "pytest", *files, *args)
 

@@ -210,11 +210,14 @@ class Recorder:
         x_key: str,
         bytes_moved: float | None = None,
         flops: float | None = None,
+        tokens: float | None = None,
         extra: dict | None = None,
     ) -> dict:
-        """Store a measurement; exactly one of ``bytes_moved`` (GB/s) or ``flops`` (TFLOP/s) is given."""
-        if (bytes_moved is None) == (flops is None):
-            raise ValueError("give exactly one of bytes_moved (memory-bound) or flops (compute-bound)")
+        """Store a measurement; exactly one of ``bytes_moved`` (GB/s), ``flops`` (TFLOP/s) or ``tokens`` (tokens/s,
+        a whole model's throughput, with no ceiling) is given."""
+        if sum(x is not None for x in (bytes_moved, flops, tokens)) != 1:
+            raise ValueError("give exactly one of bytes_moved (memory-bound), flops (compute-bound) or tokens "
+                             "(a model's throughput)")
         if direction not in ("fwd", "bwd", "fwd+bwd"):
             raise ValueError(f"direction must be fwd, bwd or fwd+bwd, got {direction!r}")
         dtype_name = str(dtype).replace("torch.", "")
@@ -224,6 +227,8 @@ class Recorder:
         if bytes_moved is not None:
             record["gbps"] = bytes_moved / (ms * 1e-3) / 1e9
             record["ceiling_fraction"] = record["gbps"] / self.ceilings.copy_gbps
+        elif tokens is not None:
+            record["tokens_per_s"] = tokens / (ms * 1e-3)
         else:
             record["tflops"] = flops / (ms * 1e-3) / 1e12
             record["ceiling_fraction"] = record["tflops"] / self.ceilings.matmul_tflops
@@ -247,7 +252,10 @@ def _shape_keys(records: list[dict], extras: set[str]) -> list[str]:
 
 
 def _metric(records: list[dict]) -> str:
-    return "gbps" if "gbps" in records[0] else "tflops"
+    return next(m for m in ("gbps", "tflops", "tokens_per_s") if m in records[0])
+
+
+_UNITS = {"gbps": "GB/s", "tflops": "TFLOP/s", "tokens_per_s": "tokens/s"}
 
 
 #: Peers whose ratio gets a column of its own in a family's table (keyed by the family's name, else its name's
@@ -257,7 +265,11 @@ RATIO_PEERS: dict[str, tuple[str, ...]] = {
     "attention-varlen": ("sdpa-flash-padded", "sdpa-cudnn-padded"),
     "attention-decode": ("sdpa", "flex"),
     "model": ("torch",),
+    "transformers": ("sdpa", "sdpa+liger"),
 }
+
+#: The provider that is ours in a family's table, where it is not named "ours"
+OURS_PROVIDER: dict[str, str] = {"transformers": "fused-kernels"}
 
 
 def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras: Sequence[str] = ()) -> str:
@@ -265,15 +277,16 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
     ``RATIO_PEERS`` present, then ours' ratio to the best peer (any provider not named ``ours*``) and ours'
     fraction of the ceiling."""
     metric = _metric(records)
-    unit = "GB/s" if metric == "gbps" else "TFLOP/s"
-    shape_keys = _shape_keys(records, set(extras))
+    unit = _UNITS[metric]
+    ours_name = OURS_PROVIDER.get(family, "ours")
+    shape_keys = _shape_keys(records, set(extras) | {metric})
     providers: list[str] = []
     for r in records:
         if r["provider"] not in providers:
             providers.append(r["provider"])
-    if "ours" in providers:
-        providers.remove("ours")
-        providers.insert(0, "ours")
+    if ours_name in providers:
+        providers.remove(ours_name)
+        providers.insert(0, ours_name)
     rows: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in records:
         point = (r["direction"], r["dtype"], *(r.get(k) for k in shape_keys))
@@ -282,11 +295,13 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         ceiling = f"{ceilings.copy_gbps:.0f} GB/s copy"
     else:
         ceiling = f"{ceilings.matmul_tflops:.0f} TFLOP/s bf16 matmul"
+    timing = "smoke mode: these timings mean nothing" if SMOKE else "CUDA events, median, L2 flushed"
+    if metric == "tokens_per_s":  # whole models: their own timing, no ceiling
+        ceiling, timing = "none (whole-model throughput)", "CUDA events, median" if not SMOKE else timing
     lines = [
         f"# {family}: {unit} ({ceilings.device})",
         "",
-        f"Ceiling measured in the same run: {ceiling}. torch {torch.__version__}, "
-        f"{'smoke mode: these timings mean nothing' if SMOKE else 'CUDA events, median, L2 flushed'}.",
+        f"Ceiling measured in the same run: {ceiling}. torch {torch.__version__}, {timing}.",
         "",
     ]
     if any("timing" in r for r in records):
@@ -296,6 +311,8 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
     ratio_peers = [p for p in named if p in providers]
     head = ["direction", "dtype", *shape_keys, *providers, *(f"ours / {p}" for p in ratio_peers), "ours / best peer",
             "ours / ceiling"]
+    if ours_name != "ours":
+        head = [h.replace("ours", ours_name) if h.startswith("ours /") else h for h in head]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for point in sorted(rows, key=lambda p: tuple((str(type(v)), v) for v in p)):
@@ -304,17 +321,17 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         for prov in providers:
             rec = by_provider.get(prov)
             cells.append(f"{rec[metric]:.1f}" if rec else "–")
-        ours = by_provider.get("ours")
+        ours = by_provider.get(ours_name)
         for prov in ratio_peers:
             rec = by_provider.get(prov)
             cells.append(f"{ours[metric] / rec[metric]:.3f}x" if ours and rec else "–")
         # Variants of ours (e.g. "ours-full-causal", a reference point) are not peers.
-        peers = [rec[metric] for prov, rec in by_provider.items() if not prov.startswith("ours")]
+        peers = [rec[metric] for prov, rec in by_provider.items() if not prov.startswith(ours_name)]
         if ours and peers:
             cells.append(f"{ours[metric] / max(peers):.2f}x")
         else:
             cells.append("–")
-        cells.append(f"{ours['ceiling_fraction']:.0%}" if ours else "–")
+        cells.append(f"{ours['ceiling_fraction']:.0%}" if ours and "ceiling_fraction" in ours else "–")
         lines.append("| " + " | ".join(cells) + " |")
     extra_keys = [k for k in extras if any(k in r for r in records)]
     if extra_keys:
@@ -330,7 +347,7 @@ def plot(family: str, records: list[dict], x_key: str, path: Path, extras: Seque
     import matplotlib.pyplot as plt
 
     metric = _metric(records)
-    shape_keys = [k for k in _shape_keys(records, set(extras)) if k != x_key]
+    shape_keys = [k for k in _shape_keys(records, set(extras) | {metric}) if k != x_key]
     panels: dict[tuple, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         panel = (r["direction"], r["dtype"], *(f"{k}={r.get(k)}" for k in shape_keys))
@@ -343,11 +360,11 @@ def plot(family: str, records: list[dict], x_key: str, path: Path, extras: Seque
         for provider, points in sorted(lines.items()):
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=provider,
-                    linewidth=2.5 if provider == "ours" else 1.2)
+                    linewidth=2.5 if provider == OURS_PROVIDER.get(family, "ours") else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_title(" ".join(str(p) for p in panel), fontsize=9)
         ax.set_xlabel(x_key)
-        ax.set_ylabel("GB/s" if metric == "gbps" else "TFLOP/s")
+        ax.set_ylabel(_UNITS[metric])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[n:]:
@@ -359,7 +376,8 @@ def plot(family: str, records: list[dict], x_key: str, path: Path, extras: Seque
 
 
 #: record keys that are measurements or annotations rather than shape (kept out of tables and panels)
-EXTRA_KEYS: tuple[str, ...] = ("saved_bytes_per_element", "peak_extra_mib", "x_key", "tokens_per_s", "loss_last")
+EXTRA_KEYS: tuple[str, ...] = ("saved_bytes_per_element", "peak_extra_mib", "x_key", "tokens_per_s", "loss_last",
+                                "peak_mib", "loss")
 
 
 def write_results(recorder: Recorder, out_dir: Path | None = None) -> list[Path]:

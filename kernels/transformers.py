@@ -26,13 +26,18 @@ Norms (:func:`apply`): each module of a class in :data:`NORM_CLASSES` computes w
 :func:`kernels.layernorm.rms_norm` with that class's exact semantics; ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``
 become :mod:`kernels.layernorm`'s drop-ins (``kernels.replace_modules``). The module keeps its identity, parameters,
 hooks and ``state_dict``; only its class changes, to a subclass of its own class (``isinstance`` holds) with the
-same name. A class not in the table is left alone and reported (never recognised by its name alone).
+same name. A class not in the table whose forward is the same code as a table class's (transformers copies its norm
+classes from model to model) computes as that class, when the module has that class's structure (a leaf whose only
+parameter is a 1-D ``weight``); any other module with "norm" in its class name is left alone and reported.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import sys
+import textwrap
 import warnings
 import weakref
 
@@ -241,6 +246,57 @@ NORM_CLASSES = {
 
 _PATCHED: dict[type, type] = {}
 
+#: the methods whose code decides what a norm class computes
+_NORM_METHODS = ("forward", "_norm")
+
+
+def _code(cls: type) -> tuple | None:
+    """What ``cls`` computes, as the syntax trees of its :data:`_NORM_METHODS` (docstrings, comments and layout left
+    out), or None when a method's source cannot be read."""
+    trees = []
+    for method in _NORM_METHODS:
+        function = getattr(cls, method, None)
+        if function is None:
+            trees.append(None)
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+        except (OSError, TypeError, SyntaxError, IndexError):
+            return None
+        body = tree.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        trees.append(ast.dump(ast.Module(body=[*body], type_ignores=[]), annotate_fields=False) + str(
+            [a.arg for a in tree.args.args]))
+    return tuple(trees)
+
+
+_SAME_CODE: dict[type, tuple | None] = {}
+
+
+def _same_code_as_known(module: torch.nn.Module, known: dict[type, tuple]) -> tuple | None:
+    """The structural rule: ``(forward, what, known class)`` when ``module`` is a leaf whose only parameter is a 1-D
+    ``weight``, with no buffers, and its class's forward (and ``_norm``) is the same code as a class of the table's
+    (transformers copies its norms from model to model: 131 classes of transformers 5.17 compute Llama's forward
+    line for line); else None."""
+    cls = type(module)
+    if cls not in _SAME_CODE:
+        code = _code(cls)
+        _SAME_CODE[cls] = None
+        if code is not None:
+            for known_cls, (forward, what) in known.items():
+                if _code(known_cls) == code:
+                    _SAME_CODE[cls] = (forward, what, known_cls)
+                    break
+    match = _SAME_CODE[cls]
+    if match is None or next(module.children(), None) is not None or next(module.buffers(recurse=False), None) \
+            is not None:
+        return None
+    parameters = dict(module.named_parameters(recurse=False))
+    if list(parameters) != ["weight"] or parameters["weight"].dim() != 1:
+        return None
+    return match
+
 
 def _norm_classes() -> dict[type, tuple]:
     """The classes of :data:`NORM_CLASSES` this transformers has, by class."""
@@ -250,7 +306,8 @@ def _norm_classes() -> dict[type, tuple]:
             cls = getattr(importlib.import_module(path), name)
         except (ImportError, AttributeError):
             continue
-        found[cls] = entry
+        if cls.__module__ == path and cls.__name__ == name:  # not a class another library put in its place
+            found[cls] = entry
     return found
 
 
@@ -282,6 +339,10 @@ def apply(model: torch.nn.Module, *, attention: bool = True, norms: bool = True)
             forward, what = known[base]
             module.__class__ = _patched(base, forward)
             report[name] = what
+        elif (match := _same_code_as_known(module, known)) is not None:
+            forward, what, like = match
+            module.__class__ = _patched(base, forward)
+            report[name] = f"{what}, the code of {like.__name__}"
         elif "norm" in cls.__name__.lower() and not isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
             report[name] = f"left alone: {cls.__module__}.{cls.__name__}"
     for name, cls in replace_modules(model, dropout=False).items():

@@ -90,6 +90,51 @@ def test_contiguous_cache_matches_the_twin_and_appends_in_place(case, dtype):
     assert (out[~seen] == 0).all()
 
 
+#: decode-shaped dense calls of flash_attention: (Hq, Hkv, Sq, Sk, D, causal, window)
+DENSE_DECODE_CASES = by_mode(
+    interpreter=[(4, 2, 1, 256, 16, True, (-1, -1)), (2, 2, 5, 300, 24, False, (-1, -1)),
+                 (4, 1, 16, 260, 16, True, (40, 0))],
+    cuda=[(32, 8, 1, 4096, 128, True, (-1, -1)), (16, 4, 16, 2048, 64, True, (-1, -1)),
+          (8, 8, 3, 1000, 96, False, (100, 100)), (8, 2, 16, 256, 128, True, (31, -1))],
+)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", DENSE_DECODE_CASES, ids=str)
+def test_decode_shaped_flash_attention_runs_the_split_kernel(case, dtype, monkeypatch):
+    """A few queries against many keys (a transformers decoding step): flash_attention's forward is the split-KV
+    kernel's, with q's layout kept, the twin's output and lse, and a backward through the saved lse."""
+    from kernels.attention import flash_attention, kvcache
+
+    hq, hkv, sq, sk, d, causal, window = case
+    runs = []
+    attend = kvcache._attend
+    monkeypatch.setattr(kvcache, "_attend", lambda *a, **kw: runs.append(1) or attend(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    b = 2
+    # (B, S, H, D) storage viewed as (B, H, S, D), as transformers' projections give them
+    q, k, v = (torch.randn(b, s, h, d, generator=g).to(DEVICE, dtype).transpose(1, 2)
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    q.requires_grad_(True)
+    kw = {"causal": causal, "window_size": window}
+    out, lse = flash_attention(q, k, v, return_lse=True, **kw)
+    assert runs, "the split-KV kernel ran"
+    assert out.transpose(1, 2).is_contiguous(), "(B, S, H, D) in memory, as q"
+    ref = twin.attention(q.detach().double(), k.double(), v.double(), **kw)
+    peer = twin.attention(q.detach(), k, v, **kw)
+    assert_no_worse_than_torch("out", out, peer, ref, atol=ATOL[dtype])
+    _, ref_lse = twin.flash_attention_forward(q.detach().double(), k.double(), v.double(), **kw)
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], rtol=0, atol=1e-3)
+    do = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, q, do)
+    q64 = q.detach().double().requires_grad_(True)
+    (ref_dq,) = torch.autograd.grad(twin.attention(q64, k.double(), v.double(), **kw), q64, do.double())
+    q_peer = q.detach().clone().requires_grad_(True)
+    (peer_dq,) = torch.autograd.grad(twin.attention(q_peer, k, v, **kw), q_peer, do)
+    assert_no_worse_than_torch("dq", dq, peer_dq, ref_dq, atol=ATOL[dtype])
+
+
 @pytest.mark.parametrize("block_size", by_mode(interpreter=[1, 8, 16], cuda=[16, 64, 256]))
 @pytest.mark.parametrize("append", [True, False])
 def test_paged_cache_gives_the_contiguous_result(block_size, append):

@@ -104,6 +104,37 @@ def test_apply_keeps_parameters_state_dict_and_isinstance():
     assert fused.apply(model) == report  # a second call changes nothing
 
 
+class _EpsOutsideRMSNorm(torch.nn.Module):
+    """An RMSNorm of the same structure as Llama's whose eps sits outside the root: another computation."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states):
+        return self.weight * hidden_states / (hidden_states.pow(2).mean(-1, keepdim=True).sqrt() + 1e-6)
+
+
+def test_norms_of_other_families_with_the_same_code_compute_as_the_table_class():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Phi3RMSNorm(64), Gemma3RMSNorm(64), _EpsOutsideRMSNorm(64)).to(DEVICE)
+    for norm in model:
+        torch.nn.init.normal_(norm.weight)
+    reference = copy.deepcopy(model)
+    report = fused.apply(model, attention=False)
+    assert report["0"] == "rms_norm (Llama), the code of LlamaRMSNorm"
+    assert report["1"] == "rms_norm (Gemma, 1 + weight), the code of GemmaRMSNorm"
+    assert report["2"].startswith("left alone:") and type(model[2]) is _EpsOutsideRMSNorm
+    assert type(model[0]).forward is fused._llama_forward and isinstance(model[0], Phi3RMSNorm)
+    x = torch.randn(5, 64, device=DEVICE)
+    for ours, theirs in zip(model, reference, strict=True):
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
 def test_registered_by_name_at_build_time():
     config = _configs()["llama"]
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="fused_kernels")

@@ -516,6 +516,18 @@ def preprocess_block_m(bd: int) -> int:
 #: K/V blocks in flight (up to 192 KiB of shared memory: one program per SM), a paged one's loop loads the page
 #: numbers one stage ahead of K and V and keeps one (74 KiB: two programs per SM fit, and they hide each other's
 #: latency). The split count rounds down, so that the programs fit one wave (a partial second wave doubles the time)
+#: A dense call with at most this many queries against at least ``DECODE_MIN_KEYS`` keys is decode-shaped: its forward
+#: runs the split-KV kernel of the KV-cache calls, whose programs split the keys and serve a whole GQA group from one
+#: read of K/V, where the training kernel's grid has one program per (sequence, query head) reading every key.
+DECODE_MAX_QUERIES = 16
+DECODE_MIN_KEYS = 256
+
+
+def decode_shaped(queries: int, keys: int) -> bool:
+    """Whether a dense forward of ``queries`` queries against ``keys`` keys runs the split-KV kernel."""
+    return queries <= DECODE_MAX_QUERIES and keys >= DECODE_MIN_KEYS
+
+
 DECODE_PROGRAMS_PER_SM = {False: 1, True: 2}
 #: a split covers at least this many key blocks of the cache's capacity, so that its query load and partial
 #: results stay small beside its share of K and V

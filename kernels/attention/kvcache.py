@@ -241,11 +241,33 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left: i
                    capacity)
 
 
+#: int32 zeros per device, never written: the cache lengths of a dense call through the decode kernel
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_lengths(device: torch.device, batch: int) -> torch.Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(batch, dtype=torch.int32, device=device)  # a graph keeps the address it captured
+    zeros = _ZEROS.get(device)
+    if zeros is None or zeros.numel() < batch:
+        zeros = _ZEROS[device] = torch.zeros(max(batch, 256), dtype=torch.int32, device=device)
+    return zeros
+
+
+def attend_every_key(q, k, v, o, left: int, right: int, scale: float) -> torch.Tensor:
+    """``flash_attention``'s forward of a decode-shaped dense call (a few queries, many keys) through the split-KV
+    kernel: k/v (B, Hkv, Sk, D) are a full cache of Sk keys, nothing appended. Writes ``o`` (any strides) and
+    returns the log-sum-exp (B, Hq, Sq) fp32."""
+    sk = k.shape[2]
+    return _attend(q, k, v, _zero_lengths(q.device, q.shape[0]), sk, None, left, right, scale, True, sk, o=o)[1]
+
+
 def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, left: int, right: int, scale: float,
-            return_lse: bool, capacity: int):
+            return_lse: bool, capacity: int, o: torch.Tensor | None = None):
     """The attention kernel over the cache (the new tokens appended already): ``(o, lse)``."""
     batch, heads, sq, d = q.shape
-    o = torch.empty((batch, heads, sq, d), dtype=q.dtype, device=q.device)
+    if o is None:
+        o = torch.empty((batch, heads, sq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, sq), dtype=torch.float32, device=q.device) if return_lse else None
     if o.numel() == 0:
         return o, lse
