@@ -13,7 +13,7 @@ Points (record keys ``model``, ``mode`` (eager / compile: ``torch.compile(model)
 - ``gpt2``: ``GPT2Config`` 1024 wide, 24 layers, 16 heads (head dim 64, ~350M parameters), dropout 0.1, batch 8 x
   1024;
 - ``bert``: ``BertForMaskedLM`` hidden 1024, 12 layers, 16 heads, batch 64 x 512 with 30% right padding (lengths
-  drawn from 40% to 100% of 512), the masked-LM loss on 15% of the tokens;
+  spread evenly from 40% to 100% of 512), the masked-LM loss on 15% of the tokens;
 - generation on the Llama: 256 new tokens (greedy) after a 2048-token prompt, batch 1 and 16, eager.
 
 A train point times ``STEPS`` steps after ``WARMUP`` per provider, in ``ROUNDS`` interleaved rounds (every provider
@@ -125,8 +125,8 @@ def _batch(name: str, point: dict) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     if name != "bert":
         return {"input_ids": ids.to(DEVICE), "labels": ids.to(DEVICE)}
-    # right padding: lengths from 40% to 100% of seq, 30% of the positions padding on average
-    lengths = torch.randint(int(0.4 * seq), seq + 1, (batch,), generator=g)
+    # right padding: lengths evenly from 40% to 100% of seq, in random order: 30% of the positions are padding
+    lengths = torch.linspace(0.4 * seq, seq, batch).round().long()[torch.randperm(batch, generator=g)]
     mask = (torch.arange(seq)[None] < lengths[:, None]).long()
     chosen = (torch.rand(batch, seq, generator=g) < 0.15) & mask.bool()
     labels = torch.where(chosen, ids, torch.full_like(ids, -100))

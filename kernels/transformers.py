@@ -16,11 +16,22 @@ The attention function (:func:`attention_forward`) takes what transformers passe
 - a 2-D padding mask (left or right padding, prefill or decoding): the tokens are gathered once per forward (the
   indices, computed for the mask object a forward passes to all its layers, are kept while it lives) and attended
   packed by :func:`kernels.attention.flash_attention_varlen`, then scattered back (padded query rows get zeros);
-- a StaticCache's keys past the mask's length are not attended (the mask's length is what has been written).
+- a StaticCache's keys past the mask's length are not attended (the mask's length is what has been written);
+- packed sequences (batch 1, no mask, ``cu_seq_lens_q``/``max_length_q`` among the kwargs, as transformers'
+  padding-free calls give them): one :func:`kernels.attention.flash_attention_varlen` call;
+- a few queries against many keys (a decoding step): :func:`kernels.attention.flash_attention` runs its split-KV
+  kernel.
+The outputs at pad positions are not defined by the padded model (SDPA lets a pad query attend to its row's tokens);
+ours are zeros after attention, as with transformers' FlashAttention, so a loss that counts pad positions differs.
 What the kernels cannot do falls back, for that call, to an implementation of transformers' own, with a one-time
 warning, never a wrong answer: score soft-capping and attention sinks to the model's eager attention (its
 ``eager_attention_forward``), a mask that is not a 2-D padding mask, a position bias or attention weights asked
 for to SDPA.
+
+Padding-free forward (:func:`apply`): a causal-LM or masked-LM model given a batch with padding (a 2-D
+``attention_mask``) runs its tokens packed into one row, every layer computing only them, and returns the padded
+forward's loss and its logits scattered back, zeros at the pads (:class:`_PaddingFreeForward`; a cache, hidden states
+or attention weights asked for, or a label at a pad position, keep the padded forward).
 
 Norms (:func:`apply`): each module of a class in :data:`NORM_CLASSES` computes with
 :func:`kernels.layernorm.rms_norm` with that class's exact semantics; ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``
@@ -133,6 +144,22 @@ def _fallback_reason(module, attention_mask, kwargs) -> str | None:
     return None
 
 
+def _packed_sequences(query: torch.Tensor, attention_mask, kwargs) -> tuple[torch.Tensor, int] | None:
+    """``(cumulative lengths int32, longest sequence)`` when the call attends packed sequences (batch 1, no mask,
+    ``cu_seq_lens_q`` among the kwargs, as transformers' padding-free calls and :func:`apply`'s padding-free forward
+    give them: one self-attention per sequence), else None."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or attention_mask is not None or query.shape[0] != 1:
+        return None
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
+        raise ValueError("fused_kernels attention: packed sequences need cu_seq_lens_k equal to cu_seq_lens_q "
+                         "(self-attention)")
+    max_length = kwargs.get("max_length_q")
+    max_length = int(cu.diff().max()) if max_length is None else int(max_length)
+    return cu.to(torch.int32), max_length
+
+
 def _dense_mask(mask2d, q_length: int, kv_length: int, causal: bool, left: int, right: int, device) -> torch.Tensor:
     """The boolean (B or 1, 1, Sq, Sk) mask of what each query sees: the band (bottom-right aligned) and the
     padding."""
@@ -156,6 +183,11 @@ def _fallback(module, query, key, value, attention_mask, dropout, scaling, causa
     mask = attention_mask
     if mask is None or mask.dim() == 2:
         mask = _dense_mask(mask, query.shape[2], key.shape[2], causal, left, right, query.device)
+    packed = _packed_sequences(query, attention_mask, kwargs)
+    if packed is not None:  # one sequence attends only to itself
+        sequence = torch.bucketize(torch.arange(query.shape[2], device=query.device), packed[0][1:], right=True)
+        mask = mask & (sequence[:, None] == sequence[None, :])
+    kwargs = {k: v for k, v in kwargs.items() if k not in _PACKED_KWARGS}
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if eager is not None:
@@ -179,6 +211,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if reason is not None:
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, causal, left, right, reason,
                          kwargs)
+    packed = _packed_sequences(query, attention_mask, kwargs)
+    if packed is not None:
+        cu, max_length = packed
+        out = flash_attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
+                                     cu, max_length, max_length, causal=causal, softmax_scale=scaling,
+                                     dropout_p=dropout, window_size=(left, right))
+        return out[None], None
     if attention_mask is not None and attention_mask.shape[1] < key.shape[2]:
         # a StaticCache: the mask covers what has been written, from position 0
         key, value = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]]
@@ -196,12 +235,135 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.view(b, sq, hq, d), None
 
 
+#: the kwargs of transformers' padding-free calls (packed sequences)
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
 def _register() -> None:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
 
 
 _register()
+
+
+# --- padding-free forward ---------------------------------------------------------------------------------
+
+#: the arguments a padding-free forward packs (every other tensor argument keeps the padded forward)
+_PER_TOKEN_ARGUMENTS = ("input_ids", "inputs_embeds", "token_type_ids", "position_ids", "labels")
+#: arguments that ask for what a packed forward does not give: attention weights, every layer's states, a cache
+_PADDED_ONLY = {"output_attentions": True, "output_hidden_states": True, "use_cache": True, "return_dict": False}
+
+
+def _padding_free_kind(model: torch.nn.Module) -> str | None:
+    """"causal" or "masked" when ``model`` is transformers' causal-LM or masked-LM class of its model type (its
+    outputs are per token: logits and a loss), else None."""
+    from transformers.models.auto import modeling_auto
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    name = type(model).__name__
+    if modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) == name:
+        return "causal"
+    if modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.get(model_type) == name:
+        return "masked"
+    return None
+
+
+class _PaddingFreeForward:
+    """A model's ``forward`` that runs a padded batch without its pad tokens: given a 2-D ``attention_mask`` with
+    padding, it packs the tokens into one row (``input_ids``, ``inputs_embeds``, ``token_type_ids``,
+    ``position_ids``, ``labels``: the positions the padded forward gives them, ``arange(S)`` by default), passes
+    the sequences' cumulative lengths to the attention (``cu_seq_lens_q``: one self-attention per sequence) and no
+    mask, and scatters the logits back to (B, S, ...) with zeros at the pads. Every layer then computes only the
+    tokens. The loss is the padded forward's: a causal LM gets the packed ``shift_labels`` (each token's next label
+    in its row), so no pair crosses a sequence; a batch whose labels count a pad position (a label at a pad, or
+    after a left pad for a causal LM) keeps the padded forward, as do calls that ask for a cache, attention weights
+    or hidden states, and calls with other tensor arguments. One host read per call (the lengths)."""
+
+    def __init__(self, forward, kind: str):
+        self.forward = forward
+        self.kind = kind
+        self.signature = inspect.signature(forward)
+        self.var_keyword = next((p.name for p in self.signature.parameters.values()
+                                 if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+    def __call__(self, *args, **kwargs):
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:
+            return self.forward(*args, **kwargs)  # its own error
+        arguments = dict(bound.arguments)
+        extra = dict(arguments.pop(self.var_keyword, {}) if self.var_keyword else {})
+        packed = self._pack(arguments, extra)
+        if packed is None:
+            return self.forward(*args, **kwargs)
+        arguments, index, shape = packed
+        output = self.forward(**arguments, **extra)
+        logits = output.logits[0]
+        output.logits = logits.new_zeros(shape[0] * shape[1], *logits.shape[1:]).index_copy(0, index, logits).view(
+            *shape, *logits.shape[1:])
+        return output
+
+    def _pack(self, arguments: dict, extra: dict):
+        mask = arguments.get("attention_mask")
+        tokens = arguments.get("input_ids")
+        tokens = arguments.get("inputs_embeds") if tokens is None else tokens
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.dtype.is_floating_point or tokens is None \
+                or tokens.shape[:2] != mask.shape or "position_ids" not in self.signature.parameters \
+                or "shift_labels" in extra or any(k in extra for k in _PACKED_KWARGS):
+            return None
+        for name, value in (*arguments.items(), *extra.items()):
+            if name in _PADDED_ONLY and value is _PADDED_ONLY[name]:
+                return None
+            if name == "logits_to_keep" and not (isinstance(value, int) and value == 0):
+                return None
+            if isinstance(value, torch.Tensor) and name not in (*_PER_TOKEN_ARGUMENTS, "attention_mask"):
+                return None
+            if name == "past_key_values" and value is not None:
+                return None
+        batch, length = mask.shape
+        keep = mask.bool()
+        lengths = keep.sum(-1, dtype=torch.int32)
+        labels = arguments.get("labels")
+        counted = torch.zeros((), dtype=torch.bool, device=mask.device)
+        if labels is not None:
+            if self.kind == "causal":
+                labels = torch.cat([labels[:, 1:], labels.new_full((batch, 1), -100)], 1)  # each token's next label
+            counted = ((labels != -100) & ~keep).any()
+        tokens_total, longest, padded, pad_labels = torch.stack(
+            [lengths.sum(), lengths.max(), (~keep).any(), counted]).tolist()
+        if not padded or pad_labels or tokens_total == 0:
+            return None
+        index = torch.nonzero_static(keep.flatten(), size=tokens_total).flatten()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            return t.expand(batch, length, *t.shape[2:]).flatten(0, 1).index_select(0, index)[None]
+
+        packed = {name: value for name, value in arguments.items()}
+        for name in _PER_TOKEN_ARGUMENTS:
+            if packed.get(name) is not None:
+                packed[name] = pack(packed[name])
+        if arguments.get("position_ids") is None:
+            packed["position_ids"] = (index % length)[None]
+        if labels is not None and self.kind == "causal":
+            packed["shift_labels"] = pack(labels)
+        packed["attention_mask"] = None
+        if "use_cache" in self.signature.parameters:
+            packed["use_cache"] = False
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+        packed.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return packed, index, (batch, length)
+
+
+def _padding_free(model: torch.nn.Module) -> bool:
+    """Give ``model`` the padding-free forward if it is a causal-LM or masked-LM model (once)."""
+    if isinstance(model.__dict__.get("forward"), _PaddingFreeForward):
+        return True
+    kind = _padding_free_kind(model)
+    if kind is None:
+        return False
+    model.forward = _PaddingFreeForward(model.forward, kind)
+    return True
 
 
 # --- norms ------------------------------------------------------------------------------------------------
@@ -263,6 +425,8 @@ def _code(cls: type) -> tuple | None:
             tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
         except (OSError, TypeError, SyntaxError, IndexError):
             return None
+        if not isinstance(tree, ast.FunctionDef):  # a source file changed since it was imported
+            return None
         body = tree.body
         if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]  # the docstring
@@ -319,16 +483,20 @@ def _patched(cls: type, forward) -> type:
     return _PATCHED[cls]
 
 
-def apply(model: torch.nn.Module, *, attention: bool = True, norms: bool = True) -> dict[str, str]:
+def apply(model: torch.nn.Module, *, attention: bool = True, norms: bool = True,
+          padding_free: bool = True) -> dict[str, str]:
     """Make a built transformers ``model`` compute with fused-kernels, in place: its attention implementation
     becomes ``"fused_kernels"`` (``model.set_attn_implementation``) and every norm module of a known class computes
-    with our kernels (see the module docstring). Returns ``{module name: what it became}``; norm-like modules of
-    classes it does not know (an RMSNorm of a model family not in :data:`NORM_CLASSES`) are listed as ``"left
-    alone: <class>"``. Calling it again changes nothing."""
+    with our kernels (see the module docstring). With ``attention`` and ``padding_free``, a causal-LM or masked-LM
+    model's forward runs a padded batch without its pad tokens (:class:`_PaddingFreeForward`). Returns ``{module
+    name: what it became}``; norm-like modules of classes it does not know (an RMSNorm of a model family not in
+    :data:`NORM_CLASSES`) are listed as ``"left alone: <class>"``. Calling it again changes nothing."""
     report: dict[str, str] = {}
     if attention:
         model.set_attn_implementation(NAME)
         report[""] = f"attention: {NAME}"
+        if padding_free and _padding_free(model):
+            report[""] += ", padding-free forward"
     if not norms:
         return report
     known = _norm_classes()

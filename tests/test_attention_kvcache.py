@@ -135,6 +135,25 @@ def test_decode_shaped_flash_attention_runs_the_split_kernel(case, dtype, monkey
     assert_no_worse_than_torch("dq", dq, peer_dq, ref_dq, atol=ATOL[dtype])
 
 
+def test_decode_steps_of_a_growing_cache_agree_with_the_twin():
+    """A transformers decoding loop: the keys grow by one per step (a new contiguous tensor each time, as a dynamic
+    cache concatenates them). On a GPU the steps after the first replay the recorded launch with the step's key
+    count and strides."""
+    from kernels.attention import flash_attention
+
+    dtype = torch.float32 if INTERPRETER else torch.bfloat16
+    hq, hkv, d, start, steps = by_mode(interpreter=(4, 2, 16, 256, 3), cuda=(16, 4, 128, 1000, 40))
+    g = torch.Generator().manual_seed(5)
+    keys, values = (torch.randn(2, hkv, start + steps, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    for step in range(steps):
+        sk = start + step
+        q = torch.randn(2, hq, 1, d, generator=g).to(DEVICE, dtype)
+        k, v = keys[:, :, :sk].contiguous(), values[:, :, :sk].contiguous()
+        out = flash_attention(q, k, v, causal=True)
+        ref = twin.attention(q.double(), k.double(), v.double(), causal=True)
+        assert_no_worse_than_torch(f"step {step}", out, twin.attention(q, k, v, causal=True), ref, atol=ATOL[dtype])
+
+
 @pytest.mark.parametrize("block_size", by_mode(interpreter=[1, 8, 16], cuda=[16, 64, 256]))
 @pytest.mark.parametrize("append", [True, False])
 def test_paged_cache_gives_the_contiguous_result(block_size, append):

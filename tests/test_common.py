@@ -180,13 +180,13 @@ def test_test_shards_split_round_robin_and_cover_everything(monkeypatch):
 
 
 def test_int_key_separates_what_triton_specialises_on():
-    from kernels._common.launch import _int_key
+    from kernels._common.launch import int_key
 
-    assert _int_key(1) != _int_key(3)  # 1 becomes a constant
-    assert _int_key(32) != _int_key(33)  # divisibility by 16
-    assert _int_key(2**31 - 16) != _int_key(2**31)  # i32 -> i64
-    assert _int_key(2**63) != _int_key(2**62)  # i64 -> u64
-    assert _int_key(-16) == _int_key(48)
+    assert int_key(1) != int_key(3)  # 1 becomes a constant
+    assert int_key(32) != int_key(33)  # divisibility by 16
+    assert int_key(2**31 - 16) != int_key(2**31)  # i32 -> i64
+    assert int_key(2**63) != int_key(2**62)  # i64 -> u64
+    assert int_key(-16) == int_key(48)
 
 
 @triton.jit

@@ -19,6 +19,10 @@ from kernels._mode import DEVICE  # noqa: E402
 SEQ, BATCH, VOCAB = 12, 3, 97
 
 
+def _config(name: str):
+    return _configs()["bert" if name == "bert-mlm" else name]
+
+
 def _configs():
     small = {"vocab_size": VOCAB}
     decoder = {**small, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -37,10 +41,12 @@ def _configs():
 
 
 def _model(name: str):
-    config = _configs()[name]
+    config = _config(name)
     torch.manual_seed(0)
-    cls = transformers.BertModel if name == "bert" else transformers.AutoModelForCausalLM
-    model = (cls(config) if name == "bert" else cls.from_config(config, attn_implementation="sdpa"))
+    if name.startswith("bert"):
+        model = (transformers.BertForMaskedLM if name == "bert-mlm" else transformers.BertModel)(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.set_attn_implementation("sdpa")
     return model.to(DEVICE).float()
 
@@ -73,12 +79,13 @@ def _forward_backward(model, ids, mask):
 
 
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma", "gpt2", "bert"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma", "gpt2", "bert", "bert-mlm"])
 def test_a_patched_model_gives_the_unpatched_models_logits_and_gradients(name, padding):
     reference = _model(name)
     ours = copy.deepcopy(reference)
     report = fused.apply(ours)
-    assert report[""] == "attention: fused_kernels"
+    # the language models' forward is padding-free; BertModel's (a pooler: not per token) is not
+    assert report[""] == "attention: fused_kernels" + ("" if name == "bert" else ", padding-free forward")
     assert ours.config._attn_implementation == "fused_kernels"
     norms = [n for n, what in report.items() if n and not what.startswith("left alone")]
     assert norms, report  # every family here has norms we replace
@@ -90,6 +97,56 @@ def test_a_patched_model_gives_the_unpatched_models_logits_and_gradients(name, p
     for n in grads:
         scale = max(1.0, expected_grads[n].abs().max().item())
         torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-3, atol=1e-4 * scale, msg=n)
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert-mlm"])
+def test_padding_free_forward_packs_the_tokens_and_keeps_the_loss(name, padding, monkeypatch):
+    """With labels (-100 at the pads): one packed attention call per layer over the tokens alone, and the loss and
+    every gradient of the padded model."""
+    reference = _model(name)
+    ours = copy.deepcopy(reference)
+    fused.apply(ours)
+    calls = []
+    varlen = fused.flash_attention_varlen
+    monkeypatch.setattr(fused, "flash_attention_varlen", lambda q, *a, **kw: calls.append(q.shape[0]) or varlen(
+        q, *a, **kw))
+    ids, mask = _batch(padding)
+    labels = ids.masked_fill(mask == 0, -100)
+    losses, grads = [], []
+    for model in (reference, ours):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert calls == [int(mask.sum())] * 2, "one packed call per layer, of the tokens only"
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    assert grads[1].keys() == grads[0].keys()
+    for n in grads[0]:
+        scale = max(1.0, grads[0][n].abs().max().item())
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-3, atol=1e-4 * scale, msg=n)
+
+
+def test_padding_free_forward_keeps_the_padded_forward_where_a_pad_counts():
+    """A label at a pad position (counted by the padded loss), or a call asking for hidden states: the padded
+    forward runs, as without the padding-free forward (pad positions' outputs are not defined: ours are zeros after
+    attention, SDPA's attend to the row's tokens)."""
+    padded = _model("llama")
+    fused.apply(padded, padding_free=False)
+    ours = copy.deepcopy(padded)
+    fused.apply(ours)
+    assert "forward" in vars(ours) and "forward" not in vars(padded)
+    ids, mask = _batch("right")
+    with torch.no_grad():
+        for kwargs in ({"labels": ids}, {"output_hidden_states": True}):
+            expected = padded(input_ids=ids, attention_mask=mask, **kwargs)
+            got = ours(input_ids=ids, attention_mask=mask, **kwargs)
+            torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=0)
+            if "labels" in kwargs:
+                torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=0)
+            else:
+                assert len(got.hidden_states) == len(expected.hidden_states)
 
 
 def test_apply_keeps_parameters_state_dict_and_isinstance():

@@ -41,7 +41,7 @@ from kernels._common.runtime import INTERPRETER, is_fake
 _I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
 
 
-def _int_key(value: int) -> tuple[bool, bool, int]:
+def int_key(value: int) -> tuple[bool, bool, int]:
     """What Triton specialises an int argument on: equal to 1, divisible by 16, and its width (i32, i64,
     u64). Finer than Triton for ``do_not_specialize`` arguments, which only costs a second cache entry."""
     width = 0 if _I32_MIN <= value <= _I32_MAX else (2 if value >= _U64_MIN else 1)
@@ -139,7 +139,7 @@ class FastLauncher:
 
     The first call with a given specialisation goes through Triton (compiling if needed) and keeps the
     compiled kernel under a key built from what Triton specialises on: each tensor's dtype and 16-byte
-    alignment, each int's :func:`_int_key`, the constexprs and launch options, the device. Later calls
+    alignment, each int's :func:`int_key`, the constexprs and launch options, the device. Later calls
     pass tensors as raw addresses (so the launcher skips its per-pointer driver check: our ops have
     already checked that every tensor is a CUDA tensor on one device) straight to the compiled
     launcher on the current stream.
@@ -154,7 +154,7 @@ class FastLauncher:
     call of another form works but takes the plain launch every time (``tests/test_common.py`` checks each
     family's calls).
     The loop below runs for every argument of every launch: it dispatches on exact types and inlines
-    :func:`_int_key` as flat key entries (no tuple per argument), because a Python function call per
+    :func:`int_key` as flat key entries (no tuple per argument), because a Python function call per
     argument cost ~20 us per attention launch on the H200 host (a profiling script since removed), and
     the flat key builds and hashes in about 0.6x the time of per-argument tuples (41 arguments, timed on
     a CPU). Compiled kernels without scratch memory are launched through Triton's C launcher itself,
@@ -236,7 +236,7 @@ class FastLauncher:
                 key.append(arg.layout)
                 values.append(arg)  # Triton's launcher wrapper encodes the tensor map from it on every launch
             elif isinstance(arg, int) and not isinstance(arg, bool):  # an int subclass
-                key.append(_int_key(arg))
+                key.append(int_key(arg))
                 values.append(int(arg))
             else:
                 return None

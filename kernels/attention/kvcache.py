@@ -21,7 +21,14 @@ from kernels._common import (
     interpreter_needs_fp32,
     kernel_for,
 )
-from kernels._common.launch import current_stream_handle, multiprocessor_count
+from kernels._common.launch import (
+    PreparedCache,
+    current_stream_handle,
+    int_key,
+    launch_or_replay,
+    multiprocessor_count,
+    prepared_launches_enabled,
+)
 from kernels._common.opaque import opaque_op
 from kernels._common.validate import indices_checked
 from kernels.attention import configs
@@ -259,12 +266,22 @@ def attend_every_key(q, k, v, o, left: int, right: int, scale: float) -> torch.T
     kernel: k/v (B, Hkv, Sk, D) are a full cache of Sk keys, nothing appended. Writes ``o`` (any strides) and
     returns the log-sum-exp (B, Hq, Sq) fp32."""
     sk = k.shape[2]
-    return _attend(q, k, v, _zero_lengths(q.device, q.shape[0]), sk, None, left, right, scale, True, sk, o=o)[1]
+    return _attend(q, k, v, _zero_lengths(q.device, q.shape[0]), sk, None, left, right, scale, True, sk, o=o,
+                   replay=True)[1]
+
+
+#: recorded launches of dense decode calls (``kernels._common.launch``): a decoding step's keys grow by one per
+#: step, so the key count and the cache strides it moves are per-call ints of the replay, their specialisation
+#: (what Triton compiles on: equal to 1, divisible by 16) part of the signature
+_DENSE_DECODE_CALLS = PreparedCache()
+_PER_STEP_INTS = ("new_tokens", "capacity", "stride_kb", "stride_kh", "stride_vb", "stride_vh")
 
 
 def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, left: int, right: int, scale: float,
-            return_lse: bool, capacity: int, o: torch.Tensor | None = None):
-    """The attention kernel over the cache (the new tokens appended already): ``(o, lse)``."""
+            return_lse: bool, capacity: int, o: torch.Tensor | None = None, replay: bool = False):
+    """The attention kernel over the cache (the new tokens appended already): ``(o, lse)``. ``replay``: the launch is
+    recorded once per signature and replayed (a dense decode call of a contiguous cache, see
+    :data:`_DENSE_DECODE_CALLS`)."""
     batch, heads, sq, d = q.shape
     if o is None:
         o = torch.empty((batch, heads, sq, d), dtype=q.dtype, device=q.device)
@@ -288,14 +305,25 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
         arrivals = _arrivals(q.device, batch * kv_heads * row_blocks)
     else:
         o_part = lse_part = arrivals = None
-    kernel_for(_kvcache_attn_kernel, traceable=False)[(batch * kv_heads, plan.splits, row_blocks)](
-        q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens, table,
-        table.stride(0) if paged else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride(),
-        *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
-        kv_heads, group, sq, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
-        scale * 1.4426950408889634, left, right, plan.splits,
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd, DOT_PRECISION=_precision(q.dtype),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+    def launch():
+        kernel_for(_kvcache_attn_kernel, traceable=False)[(batch * kv_heads, plan.splits, row_blocks)](
+            q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens, table,
+            table.stride(0) if paged else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride(),
+            *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
+            kv_heads, group, sq, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
+            scale * 1.4426950408889634, left, right, plan.splits,
+            HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd,
+            DOT_PRECISION=_precision(q.dtype), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+
+    if not (replay and not paged and prepared_launches_enabled()):
+        launch()
+        return o, lse
+    per_step = (new_tokens, capacity, *k_cache.stride()[:2], *v_cache.stride()[:2])
+    signature = (q.shape, q.stride(), o.stride(), kv_heads, d, k_cache.stride()[2:], v_cache.stride()[2:], q.dtype,
+                 q.device.index, left, right, scale, return_lse, plan, tuple(int_key(i) for i in per_step))
+    launch_or_replay(_DENSE_DECODE_CALLS, signature,
+                     (q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens), launch, per_step,
+                     _PER_STEP_INTS)
     return o, lse
