@@ -845,6 +845,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
 
     Under ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA's are.
 
+    A decode-shaped call (at most ``configs.DECODE_MAX_QUERIES`` queries against at least ``configs.DECODE_MIN_KEYS``
+    keys, no dropout) runs its forward on the split-KV kernel of :func:`flash_attention_with_kvcache`.
+
     On sm_90 GPUs a forward that :func:`uses_hopper_forward` names runs the Hopper kernel
     (``kernels/attention/_hopper.py``), and a backward that :func:`uses_hopper_backward` names the Hopper
     backward (``kernels/attention/_hopper_bwd.py``), eager or under torch.compile; the environment variable
