@@ -5,7 +5,9 @@ beside ``reference/attention.py``): dQ, dK, dV of softmax(Q K^T * scale) V for t
 ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (causal: RIGHT = 0), GQA/MQA, Sq != Sk, any (batch, head,
 sequence) strides. ``delta = rowsum(dO * O)`` comes from the portable preprocess kernel first.
 
-Schedule (one program = 128 keys of one (batch, key/value head)):
+Schedule (one program = 128 keys of one (batch, key/value head); a causal grid of at most 2 programs per SM is
+key-block-major, so the longest programs, the first key blocks', start first: ``_key_program``,
+``configs.hopper_key_major``):
 - a **producer** warp loads K and V once (two 64-row halves each, by TMA), then for every query head of the GQA
   group and every query block that sees these keys, the 64-row Q and dO tiles into a ring of ``STAGES``
   shared-memory slots ("ready" mbarriers completed by the TMA byte count, an "empty" one both consumers arrive on),
@@ -210,11 +212,16 @@ def _load_drop_signs(mask_buffer, t_layout: gl.constexpr):
 
 
 @gluon.jit
-def _key_program(Hkv, BLOCK_N: gl.constexpr):
+def _key_program(Hkv, BLOCK_N: gl.constexpr, KEY_MAJOR: gl.constexpr = False):
     """``(b, hk, n0)``: the batch, key/value head and first key of this program (both Hopper dK/dV kernels; the grid
-    is (key blocks, B * Hkv))."""
-    pid_bh = gl.program_id(1)
-    return pid_bh // Hkv, pid_bh % Hkv, gl.program_id(0) * BLOCK_N
+    is (key blocks, B * Hkv), or with ``KEY_MAJOR`` (B * Hkv, key blocks): programs start key block by key block)."""
+    if KEY_MAJOR:
+        pid_bh = gl.program_id(0)
+        pid_n = gl.program_id(1)
+    else:
+        pid_bh = gl.program_id(1)
+        pid_n = gl.program_id(0)
+    return pid_bh // Hkv, pid_bh % Hkv, pid_n * BLOCK_N
 
 
 @gluon.jit
@@ -474,11 +481,12 @@ def _attn_bwd_hopper_kernel(
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_TURNS: gl.constexpr,
     WRITE_DQ: gl.constexpr = True,
     D_SPLIT: gl.constexpr = False,  # head dims 65-96 in 128-column tiles: products over 64 + 32 columns
+    KEY_MAJOR: gl.constexpr = False,  # the grid's order (``_key_program``)
 ):
     # with dropout the producer is a warpgroup: it draws the keep masks too
     PRODUCER_WARPS: gl.constexpr = 4 if DROPOUT else 1
     FIRST_HALF: gl.constexpr = 0
-    b, hk, n0 = _key_program(Hkv, BLOCK_N)
+    b, hk, n0 = _key_program(Hkv, BLOCK_N, KEY_MAJOR)
     scale = scale.to(gl.float32)
     b_heads = b * Hkv * GROUP  # query heads of the batches before b: the dropout counter's head word is b_heads + h
     if DROPOUT:

@@ -249,9 +249,10 @@ def _attn_bwd_hopper_split_kernel(
     Hkv, GROUP, Sq, Sk, scale, LEFT, RIGHT,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WRITE_DQ: gl.constexpr,
+    KEY_MAJOR: gl.constexpr = False,  # the grid's order (``_key_program``)
 ):
     FIRST_HALF: gl.constexpr = 0
-    b, hk, n0 = _key_program(Hkv, BLOCK_N)
+    b, hk, n0 = _key_program(Hkv, BLOCK_N, KEY_MAJOR)
     scale = scale.to(gl.float32)
     lo_shift = Sk - Sq - LEFT
     hi_shift = Sk - Sq + RIGHT

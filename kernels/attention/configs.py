@@ -516,6 +516,20 @@ def preprocess_block_m(bd: int) -> int:
 #: K/V blocks in flight (up to 192 KiB of shared memory: one program per SM), a paged one's loop loads the page
 #: numbers one stage ahead of K and V and keeps one (74 KiB: two programs per SM fit, and they hide each other's
 #: latency). The split count rounds down, so that the programs fit one wave (a partial second wave doubles the time)
+#: A causal Hopper backward (dK/dV kernels) of at most this many programs per SM starts its programs key block by key
+#: block, every (sequence, key/value head) at once (grid (B * Hkv, key blocks)), instead of every key block of one
+#: (sequence, key/value head) at once: the programs of the first key blocks see the most queries, so they start first
+#: and the last wave is not one long program. Larger grids keep the (sequence, head) order, whose programs running
+#: side by side share their Q and dO reads in L2. 0: never.
+HOPPER_BACKWARD_KEY_MAJOR_PROGRAMS_PER_SM = 2
+
+
+def hopper_key_major(programs: int, multiprocessors: int, left: int, right: int) -> bool:
+    """Whether a Hopper dK/dV launch of ``programs`` programs with band ``(left, right)`` runs key block by key block
+    (:data:`HOPPER_BACKWARD_KEY_MAJOR_PROGRAMS_PER_SM`): causal (a bounded right side, an unbounded left) and a small
+    grid."""
+    return right >= 0 and left < 0 and programs <= HOPPER_BACKWARD_KEY_MAJOR_PROGRAMS_PER_SM * multiprocessors
+
 #: A dense call with at most this many queries against at least ``DECODE_MIN_KEYS`` keys is decode-shaped: its forward
 #: runs the split-KV kernel of the KV-cache calls, whose programs split the keys and serve a whole GQA group from one
 #: read of K/V, where the training kernel's grid has one program per (sequence, query head) reading every key.

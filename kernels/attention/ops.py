@@ -41,7 +41,13 @@ from kernels._common import (
 )
 from kernels._common.autocast import autocast_dtype
 from kernels._common.eager import PlanCache, autocast_key, function_apply, plannable, plans_apply, tensor_key
-from kernels._common.launch import PreparedCache, TmaTensor, launch_or_replay, prepared_launches_enabled
+from kernels._common.launch import (
+    PreparedCache,
+    TmaTensor,
+    launch_or_replay,
+    multiprocessor_count,
+    prepared_launches_enabled,
+)
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.opaque import opaque_op
 from kernels._common.seed import (
@@ -286,6 +292,13 @@ def uses_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
             and all(_tma_strides(_output_strides(t), t.element_size()) for t in (q, k)))
 
 
+def _key_grid(key_blocks: int, heads: int, left: int, right: int, device: torch.device) -> tuple[tuple[int, int], bool]:
+    """The Hopper dK/dV kernels' grid and whether it is key-block-major (``configs.hopper_key_major``): (B * Hkv, key
+    blocks), else (key blocks, B * Hkv); the GPU starts programs in grid order, x fastest."""
+    key_major = configs.hopper_key_major(key_blocks * heads, multiprocessor_count(device.index), left, right)
+    return ((heads, key_blocks) if key_major else (key_blocks, heads)), key_major
+
+
 def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right: int, scale: float,
                        drop: tuple = _NO_DROPOUT, dq_kernel: bool = False):
     """The Hopper backward: dK, dV written in place; dQ summed into ``dq_out`` ((B, Hq, Sq, padded D) fp32, zeroed by
@@ -300,7 +313,7 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right
         # Q and dO in 32-row halves (one per consumer's scores), K, V, dK and dV in 128-column halves (one per
         # consumer's columns)
         q_block, kv_block = (1, 1, _hopper_bwd_split.QUERY_HALF, bd), (1, 1, _hopper_bwd_split.KEY_ROWS, bd // 2)
-        grid = (cdiv(sk, _hopper_bwd_split.KEY_ROWS), b * hkv)
+        grid, key_major = _key_grid(cdiv(sk, _hopper_bwd_split.KEY_ROWS), b * hkv, left, right, q.device)
         dk_desc = _descriptor(dk, kv_block)
         # without dQ the kernel never reads its descriptor: dK's stands in
         dq_desc = dk_desc if dq_kernel else _descriptor(dq_out, dq_block)
@@ -309,13 +322,13 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right
             dk_desc, _descriptor(dv, kv_block), dq_desc,
             lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, **band_flags,
             BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=t.consumer_regs, PRODUCER_REGS=t.producer_regs,
-            WRITE_DQ=not dq_kernel, num_warps=4, maxnreg=t.maxnreg,
+            WRITE_DQ=not dq_kernel, KEY_MAJOR=key_major, num_warps=4, maxnreg=t.maxnreg,
         )
         if dq_kernel:
             _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq_out, scale, band, band_flags)
         return
     block = (1, 1, _hopper_bwd.QUERY_ROWS, bd)
-    grid = (cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv)
+    grid, key_major = _key_grid(cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv, left, right, q.device)
     drop_args, drop_flags = _drop_launch_args(drop, q, False)
     dropout = drop_flags["DROPOUT"]
     regs = (t.dropout_consumer_regs, t.dropout_producer_regs) if dropout else (t.consumer_regs, t.producer_regs)
@@ -325,8 +338,8 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right
         dk_desc, _descriptor(dv, block), dk_desc if dq_kernel else _descriptor(dq_out, dq_block),
         lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
         **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
-        DQ_TURNS=t.dq_turns, WRITE_DQ=not dq_kernel, D_SPLIT=_splits_96(t, bd, d), num_warps=4,
-        maxnreg=t.maxnreg,
+        DQ_TURNS=t.dq_turns, WRITE_DQ=not dq_kernel, D_SPLIT=_splits_96(t, bd, d),
+        KEY_MAJOR=key_major, num_warps=4, maxnreg=t.maxnreg,
     )
     if dq_kernel:
         _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq_out, scale, band, band_flags)
