@@ -33,6 +33,11 @@ Padding-free forward (:func:`apply`): a causal-LM or masked-LM model given a bat
 forward's loss and its logits scattered back, zeros at the pads (:class:`_PaddingFreeForward`; a cache, hidden states
 or attention weights asked for, or a label at a pad position, keep the padded forward).
 
+Rotary embedding (:func:`apply`): an attention module whose forward calls its python module's
+``apply_rotary_pos_emb`` when that function is Llama's code computes it with :func:`kernels.attention.apply_rotary`:
+the module's class becomes a same-named subclass whose forward marks the thread, and the module's function is
+wrapped to take our kernel while a marked forward runs (transformers' own everywhere else, and under torch.compile).
+
 Norms (:func:`apply`): each module of a class in :data:`NORM_CLASSES` computes with
 :func:`kernels.layernorm.rms_norm` with that class's exact semantics; ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``
 become :mod:`kernels.layernorm`'s drop-ins (``kernels.replace_modules``). The module keeps its identity, parameters,
@@ -45,10 +50,12 @@ parameter is a 1-D ``weight``); any other module with "norm" in its class name i
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import sys
 import textwrap
+import threading
 import warnings
 import weakref
 
@@ -62,7 +69,7 @@ try:
 except ImportError as error:  # pragma: no cover - the optional dependency is missing
     raise ImportError("kernels.transformers needs transformers: pip install 'fused-kernels[transformers]'") from error
 
-from kernels.attention import flash_attention, flash_attention_varlen
+from kernels.attention import apply_rotary, flash_attention, flash_attention_varlen
 from kernels.layernorm import rms_norm
 from kernels.swap import replace_modules
 
@@ -366,6 +373,80 @@ def _padding_free(model: torch.nn.Module) -> bool:
     return True
 
 
+# --- rotary position embedding ----------------------------------------------------------------------------
+
+_ROTARY_NAME = "apply_rotary_pos_emb"
+#: set while a patched attention module's forward runs on this thread: the rotary functions of the modules
+#: :func:`apply` patched then compute with :func:`kernels.attention.apply_rotary`, other callers get transformers' own
+_ROTARY_ACTIVE = threading.local()
+
+
+def _llama_rotary_code():
+    from transformers.models.llama import modeling_llama
+
+    function = vars(modeling_llama)[_ROTARY_NAME]
+    return _function_code(getattr(function, "_fused_kernels_original", function))
+
+
+def _rotary_of(cls: type):
+    """The python module of attention class ``cls`` when its forward calls that module's ``apply_rotary_pos_emb`` and
+    that function is Llama's code (transformers copies it from family to family), else None."""
+    module = sys.modules.get(cls.__module__)
+    function = getattr(module, _ROTARY_NAME, None)
+    forward = getattr(cls, "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    if function is None or code is None or _ROTARY_NAME not in code.co_names:
+        return None
+    original = getattr(function, "_fused_kernels_original", function)
+    return module if _function_code(original) == _llama_rotary_code() else None
+
+
+def _rotary_dispatch(original):
+    """``apply_rotary_pos_emb`` for a module whose attention :func:`apply` patched: ours inside a patched forward,
+    transformers' own elsewhere (and under torch.compile, whose inductor fuses it, and for anything but the (B, S, D)
+    tables it gives a (B, H, S, D) layout)."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (getattr(_ROTARY_ACTIVE, "on", False) and unsqueeze_dim == 1 and not torch.compiler.is_compiling()
+                and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+                and cos.shape[0] in (1, q.shape[0]) and cos.shape[1:] == (q.shape[2], q.shape[3])
+                and k.shape[2:] == q.shape[2:] and q.shape[3] % 2 == 0 and q.dtype == k.dtype):
+            return apply_rotary(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb._fused_kernels_original = original
+    return apply_rotary_pos_emb
+
+
+def _rotary_attention_forward(self, *args, **kwargs):
+    base = type(self)._fused_kernels_base
+    if torch.compiler.is_compiling():
+        return base.forward(self, *args, **kwargs)
+    outer = getattr(_ROTARY_ACTIVE, "on", False)
+    _ROTARY_ACTIVE.on = True
+    try:
+        return base.forward(self, *args, **kwargs)
+    finally:
+        _ROTARY_ACTIVE.on = outer
+
+
+def _patch_rotary(model: torch.nn.Module, report: dict[str, str]) -> None:
+    """Attention modules whose forward applies Llama's rotary embedding compute it with our kernel."""
+    for name, module in model.named_modules():
+        cls = type(module)
+        base = getattr(cls, "_fused_kernels_base", cls)
+        if base is not cls and cls.forward is not _rotary_attention_forward:
+            continue  # patched for something else
+        python_module = _rotary_of(base)
+        if python_module is None:
+            continue
+        function = vars(python_module)[_ROTARY_NAME]
+        if not hasattr(function, "_fused_kernels_original"):
+            setattr(python_module, _ROTARY_NAME, _rotary_dispatch(function))
+        module.__class__ = _patched(base, _rotary_attention_forward)
+        report[name] = "rotary embedding: kernels.attention.apply_rotary"
+
+
 # --- norms ------------------------------------------------------------------------------------------------
 
 def _llama_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -412,6 +493,23 @@ _PATCHED: dict[type, type] = {}
 _NORM_METHODS = ("forward", "_norm")
 
 
+@functools.cache
+def _function_code(function) -> str | None:
+    """What ``function`` computes, as its syntax tree (docstring, comments, decorators and layout left out), or None
+    when its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(tree, ast.FunctionDef):
+        return None
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.dump(ast.Module(body=[*body], type_ignores=[]), annotate_fields=False) + str(
+        [a.arg for a in tree.args.args])
+
+
 def _code(cls: type) -> tuple | None:
     """What ``cls`` computes, as the syntax trees of its :data:`_NORM_METHODS` (docstrings, comments and layout left
     out), or None when a method's source cannot be read."""
@@ -421,17 +519,10 @@ def _code(cls: type) -> tuple | None:
         if function is None:
             trees.append(None)
             continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-        except (OSError, TypeError, SyntaxError, IndexError):
+        tree = _function_code(function)
+        if tree is None:
             return None
-        if not isinstance(tree, ast.FunctionDef):  # a source file changed since it was imported
-            return None
-        body = tree.body
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            body = body[1:]  # the docstring
-        trees.append(ast.dump(ast.Module(body=[*body], type_ignores=[]), annotate_fields=False) + str(
-            [a.arg for a in tree.args.args]))
+        trees.append(tree)
     return tuple(trees)
 
 
@@ -497,6 +588,7 @@ def apply(model: torch.nn.Module, *, attention: bool = True, norms: bool = True,
         report[""] = f"attention: {NAME}"
         if padding_free and _padding_free(model):
             report[""] += ", padding-free forward"
+        _patch_rotary(model, report)
     if not norms:
         return report
     known = _norm_classes()

@@ -378,3 +378,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
             seen = visible(q.shape[2], length, causal=causal, window_size=window_size, device=q.device)
             lse[b] = torch.logsumexp((scores * scale).masked_fill(~seen, float("-inf")), dim=-1)
     return (out, lse) if return_lse else out
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (B, H, S, D) by the cosine and sine tables ``cos``, ``sin`` (B or 1, S, D)
+    of each token's position: with ``x = (x1, x2)`` split at ``D / 2`` and the tables split the same way,
+    ``(x1 c1 - x2 s1, x2 c2 + x1 s2)``, which is transformers' ``x * cos + rotate_half(x) * sin``. Computed in
+    float32 (float64 for float64 inputs), rounded once to x's dtype."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x1, x2 = x.to(compute).chunk(2, dim=-1)
+    c1, c2 = cos.to(compute)[:, None].chunk(2, dim=-1)
+    s1, s2 = sin.to(compute)[:, None].chunk(2, dim=-1)
+    return torch.cat([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], dim=-1).to(x.dtype)

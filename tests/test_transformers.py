@@ -149,6 +149,29 @@ def test_padding_free_forward_keeps_the_padded_forward_where_a_pad_counts():
                 assert len(got.hidden_states) == len(expected.hidden_states)
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma"])
+def test_rotary_embedding_runs_our_kernel_in_patched_models_only(name, monkeypatch):
+    """Attention modules that apply Llama's rotary code call kernels.attention.apply_rotary once per layer; the same
+    family's unpatched model keeps transformers' own (bitwise its result before any patch)."""
+    reference = _model(name)
+    before = copy.deepcopy(reference)
+    ours = copy.deepcopy(reference)
+    ids, mask = _batch("none")
+    with torch.no_grad():
+        expected_before = _output(before, ids, mask)
+    report = fused.apply(ours)
+    rotary = [n for n, what in report.items() if what.startswith("rotary embedding")]
+    assert rotary == [f"model.layers.{i}.self_attn" for i in range(2)]
+    calls = []
+    real = fused.apply_rotary
+    monkeypatch.setattr(fused, "apply_rotary", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        got = _output(ours, ids, mask)
+        assert len(calls) == 2
+        assert torch.equal(_output(reference, ids, mask), expected_before) and len(calls) == 2
+    torch.testing.assert_close(got, expected_before, rtol=1e-4, atol=1e-4)
+
+
 def test_apply_keeps_parameters_state_dict_and_isinstance():
     model = _model("llama")
     norm = model.model.norm
