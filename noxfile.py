@@ -7,6 +7,7 @@ Pick one family by naming it first in the posargs; the rest goes to pytest:
     nox -s tests -- dropout -k seed   # ... and pytest's -k
     nox -s bench -- layernorm         # benchmarks/bench_layernorm.py only
     nox -s bench -- transformers      # benchmarks/bench_transformers.py: whole transformers models
+    nox -s bench -- host              # benchmarks/bench_host.py: host time per eager call, ours and torch's
 
 Without a GPU the sessions install ``torch==2.13.0`` (CPU build) and ``triton==3.6.0`` from
 ``constraints/cpu.txt``, so no multi-GB CUDA build is pulled, and the kernels run under the Triton

@@ -211,13 +211,15 @@ class Recorder:
         bytes_moved: float | None = None,
         flops: float | None = None,
         tokens: float | None = None,
+        host: bool = False,
         extra: dict | None = None,
     ) -> dict:
-        """Store a measurement; exactly one of ``bytes_moved`` (GB/s), ``flops`` (TFLOP/s) or ``tokens`` (tokens/s,
-        a whole model's throughput, with no ceiling) is given."""
-        if sum(x is not None for x in (bytes_moved, flops, tokens)) != 1:
-            raise ValueError("give exactly one of bytes_moved (memory-bound), flops (compute-bound) or tokens "
-                             "(a model's throughput)")
+        """Store a measurement; exactly one of ``bytes_moved`` (GB/s), ``flops`` (TFLOP/s), ``tokens`` (tokens/s,
+        a whole model's throughput, with no ceiling) or ``host`` (``ms`` is the host time of one call, recorded as
+        ``host_us``: lower is better) is given."""
+        if sum(x is not None and x is not False for x in (bytes_moved, flops, tokens, host)) != 1:
+            raise ValueError("give exactly one of bytes_moved (memory-bound), flops (compute-bound), tokens "
+                             "(a model's throughput) or host (host time per call)")
         if direction not in ("fwd", "bwd", "fwd+bwd"):
             raise ValueError(f"direction must be fwd, bwd or fwd+bwd, got {direction!r}")
         dtype_name = str(dtype).replace("torch.", "")
@@ -229,6 +231,8 @@ class Recorder:
             record["ceiling_fraction"] = record["gbps"] / self.ceilings.copy_gbps
         elif tokens is not None:
             record["tokens_per_s"] = tokens / (ms * 1e-3)
+        elif host:
+            record["host_us"] = ms * 1e3
         else:
             record["tflops"] = flops / (ms * 1e-3) / 1e12
             record["ceiling_fraction"] = record["tflops"] / self.ceilings.matmul_tflops
@@ -252,10 +256,12 @@ def _shape_keys(records: list[dict], extras: set[str]) -> list[str]:
 
 
 def _metric(records: list[dict]) -> str:
-    return next(m for m in ("gbps", "tflops", "tokens_per_s") if m in records[0])
+    return next(m for m in ("gbps", "tflops", "tokens_per_s", "host_us") if m in records[0])
 
 
-_UNITS = {"gbps": "GB/s", "tflops": "TFLOP/s", "tokens_per_s": "tokens/s"}
+_UNITS = {"gbps": "GB/s", "tflops": "TFLOP/s", "tokens_per_s": "tokens/s", "host_us": "us of host time per call"}
+#: metrics that are times: their ratios are ours' time over the peer's, and the best peer is the fastest
+_LOWER_IS_BETTER = {"host_us"}
 
 
 #: Peers whose ratio gets a column of its own in a family's table (keyed by the family's name, else its name's
@@ -266,6 +272,7 @@ RATIO_PEERS: dict[str, tuple[str, ...]] = {
     "attention-decode": ("sdpa", "flex"),
     "model": ("torch",),
     "transformers": ("sdpa", "sdpa+liger"),
+    "host": ("torch",),
 }
 
 #: The provider that is ours in a family's table, where it is not named "ours"
@@ -298,6 +305,10 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
     timing = "smoke mode: these timings mean nothing" if SMOKE else "CUDA events, median, L2 flushed"
     if metric == "tokens_per_s":  # whole models: their own timing, no ceiling
         ceiling, timing = "none (whole-model throughput)", "CUDA events, median" if not SMOKE else timing
+    lower = metric in _LOWER_IS_BETTER
+    if lower:  # host time per call: calls issued back to back, the clock stopped before waiting for the device
+        ceiling = "none (host time; ratios are ours' time over the peer's, lower is better)"
+        timing = "host clock over back-to-back calls, median of interleaved rounds" if not SMOKE else timing
     lines = [
         f"# {family}: {unit} ({ceilings.device})",
         "",
@@ -309,8 +320,11 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
                   "longer than the kernels); device = CUDA-graph replay, inputs cycled past L2 (no host work).", ""]
     named = RATIO_PEERS.get(family, RATIO_PEERS.get(family.split("-")[0], ()))
     ratio_peers = [p for p in named if p in providers]
-    head = ["direction", "dtype", *shape_keys, *providers, *(f"ours / {p}" for p in ratio_peers), "ours / best peer",
-            "ours / ceiling"]
+    # host times stand beside the device time of the same call (CUDA-graph replay)
+    beside = [p for p in providers if any(r.get("device_us") is not None for r in records if r["provider"] == p)] \
+        if lower else []
+    head = ["direction", "dtype", *shape_keys, *providers, *(f"{p} device us" for p in beside),
+            *(f"ours / {p}" for p in ratio_peers), "ours / best peer", "ours / ceiling"]
     if ours_name != "ours":
         head = [h.replace("ours", ours_name) if h.startswith("ours /") else h for h in head]
     lines.append("| " + " | ".join(head) + " |")
@@ -321,6 +335,9 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         for prov in providers:
             rec = by_provider.get(prov)
             cells.append(f"{rec[metric]:.1f}" if rec else "–")
+        for prov in beside:
+            rec = by_provider.get(prov)
+            cells.append(f"{rec['device_us']:.1f}" if rec and rec.get("device_us") is not None else "–")
         ours = by_provider.get(ours_name)
         for prov in ratio_peers:
             rec = by_provider.get(prov)
@@ -328,7 +345,7 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         # Variants of ours (e.g. "ours-full-causal", a reference point) are not peers.
         peers = [rec[metric] for prov, rec in by_provider.items() if not prov.startswith(ours_name)]
         if ours and peers:
-            cells.append(f"{ours[metric] / max(peers):.2f}x")
+            cells.append(f"{ours[metric] / (min(peers) if lower else max(peers)):.2f}x")
         else:
             cells.append("–")
         cells.append(f"{ours['ceiling_fraction']:.0%}" if ours and "ceiling_fraction" in ours else "–")
@@ -377,7 +394,7 @@ def plot(family: str, records: list[dict], x_key: str, path: Path, extras: Seque
 
 #: record keys that are measurements or annotations rather than shape (kept out of tables and panels)
 EXTRA_KEYS: tuple[str, ...] = ("saved_bytes_per_element", "peak_extra_mib", "x_key", "tokens_per_s", "loss_last",
-                                "peak_mib", "loss")
+                                "peak_mib", "loss", "device_us")
 
 
 def write_results(recorder: Recorder, out_dir: Path | None = None) -> list[Path]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: environment report, the CUDA test suite, the benchmarks.
 #
-#   bash scripts/gpu_check.sh [family ...]      # family: dropout | layernorm | attention | model (default: all
-#                                               # but model, the GPT training benchmark, which runs when named);
+#   bash scripts/gpu_check.sh [family ...]      # family: dropout | layernorm | attention | host | model |
+#                                               # transformers (default: all but model and transformers, the
+#                                               # training benchmarks, which run when named);
 #                                               # any name N selects tests/test_N*.py (integration, gpt, swap, common)
 #
 # Uses the machine's own python3 (no network, no nox). Writes under $OUT (default ./gpu-out):
@@ -32,8 +33,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 
 tests_target=$(ls tests/test_*.py | tr '\n' ' ')
-# The model benchmark (dozens of training runs, compiled ones included) runs only when named: gpu_check.sh model
-bench_target=$(ls benchmarks/bench_*.py | grep -v bench_model | tr '\n' ' ')
+# The model benchmarks (dozens of training runs, compiled ones included) run only when named: gpu_check.sh model,
+# gpu_check.sh transformers
+bench_target=$(ls benchmarks/bench_*.py | grep -v -e bench_model -e bench_transformers | tr '\n' ' ')
 if [ ${#FAMILIES[@]} -gt 0 ]; then
   tests_target="" bench_target=""
   for family in "${FAMILIES[@]}"; do

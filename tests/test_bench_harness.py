@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._harness import Ceilings, Recorder, markdown_table, write_results
+from benchmarks._harness import EXTRA_KEYS, Ceilings, Recorder, markdown_table, write_results
 
 
 def _recorder() -> Recorder:
@@ -134,3 +134,19 @@ def test_the_bench_suite_chooses_the_test_mode_before_anything_imports_triton():
                           text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "triton was imported before the test mode was chosen" not in done.stdout + done.stderr
+
+
+def test_host_times_are_ratios_of_times_with_the_device_time_beside():
+    rec = Recorder(ceilings=Ceilings(copy_gbps=3000.0, matmul_tflops=800.0, device="GPU"))
+    for provider, host, device in (("ours", 30.0, 5.0), ("torch", 20.0, 6.0)):
+        rec.add(family="host", provider=provider, direction="fwd", dtype="bfloat16",
+                shape={"op": "layer_norm", "size": "tiny", "elements": 8}, ms=host * 1e-3, x_key="elements",
+                host=True, extra={"device_us": device})
+    assert rec.records[0]["host_us"] == pytest.approx(30.0)
+    table = markdown_table("host", rec.records, rec.ceilings, EXTRA_KEYS)
+    row = next(line for line in table.splitlines() if "layer_norm" in line)
+    # ours' time over torch's (lower is better), the best peer the fastest; the device times beside
+    assert "| 30.0 | 20.0 | 5.0 | 6.0 | 1.500x | 1.50x |" in row
+    with pytest.raises(ValueError, match="exactly one"):
+        rec.add(family="host", provider="ours", direction="fwd", dtype="bfloat16", shape={}, ms=1.0, x_key="x",
+                host=True, tokens=1.0)
