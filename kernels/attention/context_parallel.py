@@ -1,0 +1,248 @@
+"""Context-parallel attention over ``torch.distributed``: ring attention of a sequence sharded across ranks.
+
+    q_local = shard_sequence(q, 2)                      # this rank's shard of (B, H, S, D), "zigzag" by default
+    o_local = context_parallel_attention(q_local, k_local, v_local, causal=True)
+    o = unshard_sequence(o_local, 2)                    # the whole output, on every rank
+
+Layouts: the sequence is cut into ``2 W`` equal chunks (W ranks in the group) and rank ``r`` holds chunks ``r`` and
+``2 W - 1 - r`` (``"zigzag"``: every rank gets the same causal work), or into ``W`` chunks, rank ``r`` holding chunk
+``r`` (``"contiguous"``). Every rank's shard has the same shape.
+
+The ring (forward): each rank starts with its own K/V shard and, W - 1 times, sends the shard it holds to the next rank
+and receives the previous rank's, with ``torch.distributed`` point-to-point operations issued before it attends to
+the shard in hand, so the transfer runs beside the compute. With the shard of rank ``s`` in hand, rank ``r`` attends
+with :func:`kernels.attention.flash_attention`'s kernels to exactly the chunk pairs the mask keeps: every key chunk
+before a query chunk whole, a chunk against itself causally, later chunks not at all (zigzag at step ``t > 0``: the
+whole local queries against ``s``'s first chunk when ``s < r``, the local second chunk against both of ``s``'s chunks
+when ``s > r``; step 0 is the local causal attention). Partial outputs merge through their log-sum-exps
+(``o = sum_p exp(lse_p - lse) o_p``, ``lse = log sum_p exp(lse_p)``), in fp32.
+
+The backward runs the ring again: each rank computes its queries' gradient against every shard as it passes, with
+the merged log-sum-exp and output (so each block's gradients are its exact share), and the fp32 dK/dV accumulators
+travel with their K/V shards, one hop further at the end, back to their owner.
+
+Limits: dense (B, H, S_local, D) shards, GQA/MQA, causal or full (no windows, no dropout); fp16/bf16/fp32 on GPUs
+(NCCL), fp32 and any float on CPUs (gloo, the Triton interpreter or the twin). One collective per forward checks that
+every rank's shard has the same shape (a host synchronisation). The trade-off: ring attention moves each K/V shard
+W - 1 times and keeps one extra shard in flight; all-gathering K/V instead would hold the whole sequence's keys on
+every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from kernels._common import check_float_dtype, check_tensor
+from kernels.attention.ops import _bwd_impl, _fwd_impl, _scale
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context-parallel attention needs an initialised torch.distributed process group "
+                           "(torch.distributed.init_process_group)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _chunks(world: int, layout: str) -> int:
+    return 2 * world if layout == "zigzag" else world
+
+
+def _owned(rank: int, world: int, layout: str) -> tuple[int, ...]:
+    """The chunks rank ``rank`` holds, in its shard's order."""
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def shard_sequence(x: torch.Tensor, dim: int, *, group=None, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of ``x`` along ``dim`` (the sequence dimension) for :func:`context_parallel_attention`: the
+    chunks of ``layout`` this rank holds, concatenated (a copy for "zigzag", a view for "contiguous"). ``x`` is the
+    whole tensor, the same on every rank; its length along ``dim`` must divide into ``2 W`` chunks ("zigzag") or
+    ``W`` ("contiguous")."""
+    _check_layout(layout)
+    world, rank = _group_info(group)
+    length, count = x.shape[dim], _chunks(world, layout)
+    if length % count:
+        raise ValueError(f"a sequence of {length} cannot be cut into {count} equal chunks ({layout} layout over "
+                         f"{world} ranks): make it a multiple of {count}")
+    chunks = x.chunk(count, dim)
+    owned = _owned(rank, world, layout)
+    return chunks[owned[0]] if len(owned) == 1 else torch.cat([chunks[i] for i in owned], dim)
+
+
+def unshard_sequence(x_local: torch.Tensor, dim: int, *, group=None, layout: str = "zigzag") -> torch.Tensor:
+    """The whole tensor from every rank's shard (an all-gather; differentiable: the gradient of the whole goes back
+    to each rank's shard), the inverse of :func:`shard_sequence`."""
+    _check_layout(layout)
+    world, _ = _group_info(group)
+    from torch.distributed.nn.functional import all_gather
+
+    shards = all_gather(x_local.contiguous(), group=group or dist.group.WORLD)
+    pieces: dict[int, torch.Tensor] = {}
+    for rank, shard in enumerate(shards):
+        owned = _owned(rank, world, layout)
+        for chunk, piece in zip(owned, shard.chunk(len(owned), dim), strict=True):
+            pieces[chunk] = piece
+    return torch.cat([pieces[i] for i in range(_chunks(world, layout))], dim)
+
+
+def _blocks(step: int, rank: int, source: int, world: int, layout: str, causal: bool, length: int):
+    """The (query rows, key rows, causal) blocks rank ``rank`` attends at ring step ``step`` with rank ``source``'s
+    K/V shard in hand; rows as slices of the local shards (``length`` rows each)."""
+    whole = slice(0, length)
+    if not causal:
+        return [(whole, whole, False)]
+    if step == 0:
+        return [(whole, whole, True)]  # the local chunks in order: the local causal attention is the global one
+    if layout == "contiguous":
+        return [(whole, whole, False)] if source < rank else []
+    half = length // 2
+    first, second = slice(0, half), slice(half, length)
+    if source < rank:  # source's first chunk precedes both local chunks, its second follows both
+        return [(whole, first, False)]
+    return [(second, whole, False)]  # both of source's chunks precede the local second chunk, follow the first
+
+
+def _ring_peers(group, world: int, rank: int) -> tuple[int, int]:
+    """Global ranks of the next and the previous rank of the ring."""
+    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    return to_global((rank + 1) % world), to_global((rank - 1) % world)
+
+
+#: message tags: the K/V shards and their gradients travel side by side between the same two ranks
+_KV_TAG, _GRAD_TAG = 1, 2
+
+
+def _exchange(send: torch.Tensor, receive: torch.Tensor, next_rank: int, previous_rank: int, group, tag: int):
+    """Start sending ``send`` to the next rank and receiving the previous rank's into ``receive``."""
+    ops = [dist.P2POp(dist.isend, send, next_rank, group, tag),
+           dist.P2POp(dist.irecv, receive, previous_rank, group, tag)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _check_shapes(q, k, v, group) -> None:
+    """Every rank's shards have the same shape (one all-reduce of the shapes and their negatives, MAX)."""
+    shapes = torch.tensor([*q.shape, *k.shape, *v.shape], dtype=torch.int64)
+    both = torch.cat([shapes, -shapes]).to(q.device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    top, bottom = both[: shapes.numel()].cpu(), -both[shapes.numel():].cpu()
+    if not torch.equal(top, bottom):
+        raise ValueError(f"context-parallel shards must have one shape on every rank; this rank's q, k, v are "
+                         f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}, and other ranks' differ")
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+    """Merge a partial result into ``out``/``lse`` (fp32) at ``rows``, through the log-sum-exps."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, lse_part)
+    finite = torch.isfinite(new)
+    keep_old = torch.where(finite, torch.exp(old - new), torch.zeros_like(new))
+    take_part = torch.where(finite, torch.exp(lse_part - new), torch.zeros_like(new))
+    out[:, :, rows] = out[:, :, rows] * keep_old[..., None] + o_part.float() * take_part[..., None]
+    lse[:, :, rows] = new
+
+
+def _ring_forward(q, k, v, group, causal: bool, scale: float, layout: str):
+    world, rank = _group_info(group)
+    next_rank, previous_rank = _ring_peers(group, world, rank)
+    length = q.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    for step in range(world):
+        pending = None
+        if step < world - 1:
+            incoming = torch.empty_like(kv)
+            pending = _exchange(kv, incoming, next_rank, previous_rank, group, _KV_TAG)
+        source = (rank - step) % world
+        for rows, keys, block_causal in _blocks(step, rank, source, world, layout, causal, length):
+            o_part, lse_part = _fwd_impl(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], -1,
+                                         0 if block_causal else -1, scale)
+            _merge(out, lse, rows, o_part, lse_part.float())
+        if pending is not None:
+            for request in pending:
+                request.wait()
+            kv = incoming
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layout: str):
+    world, rank = _group_info(group)
+    next_rank, previous_rank = _ring_peers(group, world, rank)
+    length = q.shape[2]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the gradient of the shard in hand
+    for step in range(world):
+        source = (rank - step) % world
+        # (the backward kernels take the log-sum-exp of their own rows, contiguous: a slice's strides are not theirs)
+        for rows, keys, block_causal in _blocks(step, rank, source, world, layout, causal, length):
+            dq_part, dk_part, dv_part = _bwd_impl(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
+                                                  kv[1][:, :, keys], o[:, :, rows], lse[:, :, rows].contiguous(), -1,
+                                                  0 if block_causal else -1, scale)
+            dq[:, :, rows] += dq_part.float()
+            dkv[0][:, :, keys] += dk_part.float()
+            dkv[1][:, :, keys] += dv_part.float()
+        # the shard and its gradient move on together; after the last step the gradient makes one more hop, home
+        incoming_dkv = torch.empty_like(dkv)
+        requests = list(_exchange(dkv, incoming_dkv, next_rank, previous_rank, group, _GRAD_TAG))
+        if step < world - 1:
+            incoming = torch.empty_like(kv)
+            requests += _exchange(kv, incoming, next_rank, previous_rank, group, _KV_TAG)
+        for request in requests:
+            request.wait()
+        dkv = incoming_dkv
+        if step < world - 1:
+            kv = incoming
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, layout):
+        o, lse = _ring_forward(q, k, v, group, causal, scale, layout)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (group, causal, scale, layout)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(do.contiguous(), q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def context_parallel_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, layout="zigzag"):
+    """Attention over a sequence sharded across the ranks of ``group`` (default: the world), by ring attention
+    (see the module docstring). ``q`` (B, Hq, S_local, D), ``k``/``v`` (B, Hkv, S_local, D): this rank's shards
+    in ``layout`` (:func:`shard_sequence` makes them), the same shape on every rank. Returns this rank's shard of the
+    output, what :func:`kernels.attention.flash_attention` gives for these rows on the whole sequence. Differentiable
+    in q, k and v (the backward runs the ring again). ``causal`` masks by global position; ``softmax_scale`` defaults
+    to ``1 / sqrt(D)``."""
+    _check_layout(layout)
+    _group_info(group)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        check_float_dtype(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq_local, head_dim), got shape {list(t.shape)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"shards must be q (B, Hq, S_local, D) and k, v (B, Hkv, S_local, D) with Hq a multiple of "
+                         f"Hkv, got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if layout == "zigzag" and q.shape[2] % 2:
+        raise ValueError(f"a zigzag shard holds two equal chunks: its length must be even, got {q.shape[2]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_shapes(q, k, v, group)
+    scale = _scale(softmax_scale, q.shape[3])
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _RingAttention.apply(q, k, v, group, bool(causal), scale, layout)
+    return _ring_forward(q, k, v, group, bool(causal), scale, layout)[0]
