@@ -880,3 +880,20 @@ def test_override_changes_tiles_inside_the_block_only():
         assert _tile("fwd", 64, torch.float16) == before._replace(block_m=16)
         assert not configs.fuse_backward(*(configs.launch_config(k, 64, torch.float16) for k in ("dkdv", "dq")))
     assert _tile("fwd", 64, torch.float16) == before
+
+
+def test_backward_entry_takes_a_sliced_log_sum_exp():
+    """The internal backward given the rows of a larger lse (a view with its parent's strides), as context-parallel
+    attention passes them: the gradients of a contiguous lse."""
+    from kernels.attention.ops import _bwd_impl, _fwd_impl
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v, do = (torch.randn(1, 2, 16, 16, generator=g).to(DEVICE) for _ in range(4))
+    rows = slice(8, 16)
+    o, lse = _fwd_impl(q[:, :, rows], k, v, -1, -1, 0.25)
+    parent = torch.zeros(1, 2, 16, device=DEVICE)
+    parent[:, :, rows] = lse
+    expected = _bwd_impl(do[:, :, rows], q[:, :, rows], k, v, o, lse, -1, -1, 0.25)
+    got = _bwd_impl(do[:, :, rows], q[:, :, rows], k, v, o, parent[:, :, rows], -1, -1, 0.25)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -183,10 +183,9 @@ def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layou
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the gradient of the shard in hand
     for step in range(world):
         source = (rank - step) % world
-        # (the backward kernels take the log-sum-exp of their own rows, contiguous: a slice's strides are not theirs)
         for rows, keys, block_causal in _blocks(step, rank, source, world, layout, causal, length):
             dq_part, dk_part, dv_part = _bwd_impl(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
-                                                  kv[1][:, :, keys], o[:, :, rows], lse[:, :, rows].contiguous(), -1,
+                                                  kv[1][:, :, keys], o[:, :, rows], lse[:, :, rows], -1,
                                                   0 if block_causal else -1, scale)
             dq[:, :, rows] += dq_part.float()
             dkv[0][:, :, keys] += dk_part.float()

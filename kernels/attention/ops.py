@@ -546,6 +546,8 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     with it). Eager dense calls replay recorded launches (as
     ``_fwd_impl``)."""
     b, _, _, _, _, d = _dims(q, k, varlen)
+    if not lse.is_contiguous():  # the kernels index delta, allocated contiguous below, with lse's strides
+        lse = lse.contiguous()
     too_wide_for_fp32 = q.dtype == torch.float32 and configs.block_d(d) > configs.FP32_MAX_KERNEL_BWD_DIM
     if backend_for(q, traced=traceable) == "reference" or too_wide_for_fp32:
         if traceable:
