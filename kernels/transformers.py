@@ -291,6 +291,9 @@ class _PaddingFreeForward:
         self.forward = forward
         self.kind = kind
         self.signature = inspect.signature(forward)
+        # what introspects model.forward (transformers' Trainer keeps the dataset columns it names) sees the model's
+        functools.update_wrapper(self, forward)
+        self.__signature__ = self.signature
         self.var_keyword = next((p.name for p in self.signature.parameters.values()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
 

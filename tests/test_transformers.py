@@ -128,6 +128,18 @@ def test_padding_free_forward_packs_the_tokens_and_keeps_the_loss(name, padding,
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-3, atol=1e-4 * scale, msg=n)
 
 
+def test_padding_free_forward_keeps_the_models_signature():
+    """transformers' Trainer keeps the dataset columns model.forward names: the padding-free forward names the same."""
+    import inspect
+
+    reference = _model("llama")
+    ours = copy.deepcopy(reference)
+    fused.apply(ours)
+    assert "forward" in vars(ours)
+    assert inspect.signature(ours.forward) == inspect.signature(reference.forward)
+    assert ours.forward.__doc__ == reference.forward.__doc__
+
+
 def test_padding_free_forward_keeps_the_padded_forward_where_a_pad_counts():
     """A label at a pad position (counted by the padded loss), or a call asking for hidden states: the padded
     forward runs, as without the padding-free forward (pad positions' outputs are not defined: ours are zeros after
