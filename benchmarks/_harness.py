@@ -140,6 +140,18 @@ def graph_us(fn: Callable[[], object]) -> float:
     return graph_ms(lambda: fn) * 1e3
 
 
+def forward_backward(fn: Callable[[], object]) -> Callable[[], None]:
+    """A call of ``fn`` and ``.backward()`` of its output(s) with ones as their gradient: what host-cost tables time
+    as "forward + backward"."""
+
+    def run():
+        out = fn()
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    return run
+
+
 def host_us(fn: Callable[[], object], *, calls: int = 300, warmup: int = 10, until_done: bool = False) -> float:
     """Microseconds of host time per call: ``calls`` calls issued back to back, the clock stopped before
     waiting for the device. Equal to the per-call cost of the Python/dispatch path whenever the kernels

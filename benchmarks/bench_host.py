@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import SMOKE, graph_us, host_us
+from benchmarks._harness import SMOKE, forward_backward, graph_us, host_us
 from kernels._mode import DEVICE
 from kernels.attention import apply_rotary, flash_attention, flash_attention_varlen, flash_attention_with_kvcache
 from kernels.dropout import dropout
@@ -92,14 +92,6 @@ def _cases(size: str) -> dict[str, tuple]:
     }
 
 
-def _forward_backward(fn):
-    def run():
-        out = fn()
-        outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    return run
-
-
 def _host_us(fn) -> float:
     if SMOKE:  # wall clock of a few calls: the path runs, the figure means nothing
         fn()
@@ -133,7 +125,7 @@ def test_host(benchmark, recorder, op, size):
     runs = {"ours": ours, "torch": theirs}
     directions = {"fwd": dict(runs)}
     if differentiable:
-        directions["fwd+bwd"] = {provider: _forward_backward(fn) for provider, fn in runs.items()}
+        directions["fwd+bwd"] = {provider: forward_backward(fn) for provider, fn in runs.items()}
     times: dict[tuple[str, str], list[float]] = {(d, p): [] for d in directions for p in runs}
 
     def measure_all():

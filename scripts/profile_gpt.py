@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import host_us
+from benchmarks._harness import forward_backward, host_us
 from examples.gpt import GPT, add_model_arguments, batches, config_from_arguments, load_corpus
 from kernels.attention import flash_attention
 from kernels.dropout import dropout
@@ -142,14 +142,6 @@ def _torch_add_dropout_norm(x, residual, w, b):
     return F.layer_norm(residual_out, (x.shape[-1],), w, b), residual_out
 
 
-def _forward_backward(fn: Callable) -> Callable[[], None]:
-    def run():
-        out = fn()
-        outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-    return run
-
-
 def op_host_costs(args) -> None:
     """The ``--ops`` table (see the module docstring) and, with ``--profile``, one op's cProfile."""
     cases = {**_cases(), **_floors()}
@@ -164,14 +156,14 @@ def op_host_costs(args) -> None:
         for _ in range(args.rounds):
             timings["fwd ours"].append(host_us(ours, calls=args.calls))
             timings["fwd torch"].append(host_us(theirs, calls=args.calls))
-            timings["both ours"].append(host_us(_forward_backward(ours), calls=args.calls))
-            timings["both torch"].append(host_us(_forward_backward(theirs) if differentiable else theirs,
+            timings["both ours"].append(host_us(forward_backward(ours), calls=args.calls))
+            timings["both torch"].append(host_us(forward_backward(theirs) if differentiable else theirs,
                                                  calls=args.calls))
         m = {key: statistics.median(values) for key, values in timings.items()}
         print(f"{name:<24} {m['fwd ours']:9.1f} {m['fwd torch']:9.1f} {m['fwd ours'] / m['fwd torch']:6.2f} "
               f"{m['both ours']:13.1f} {m['both torch']:13.1f} {m['both ours'] / m['both torch']:6.2f}")
     if args.profile:
-        run = _forward_backward(cases[args.profile][0])
+        run = forward_backward(cases[args.profile][0])
         for _ in range(20):
             run()
         torch.cuda.synchronize()
