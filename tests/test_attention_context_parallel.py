@@ -66,14 +66,15 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             context_parallel_attention(odd, odd, odd)
         with pytest.raises(ValueError, match="layout"):
             shard_sequence(x, 2, layout="striped")
-        mine = torch.zeros(1, 2, 4 if rank == 0 else 6, 16, device=device)
-        with pytest.raises(ValueError, match="one shape on every rank"):
-            context_parallel_attention(mine, mine, mine)
+        if world > 1:
+            mine = torch.zeros(1, 2, 4 if rank == 0 else 6, 16, device=device)
+            with pytest.raises(ValueError, match="one shape on every rank"):
+                context_parallel_attention(mine, mine, mine)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_ring_attention_equals_flash_attention_on_the_whole_sequence(world):
     with tempfile.TemporaryDirectory() as folder:
         mp.start_processes(_worker, args=(world, os.path.join(folder, "init")), nprocs=world, join=True,

@@ -17,9 +17,10 @@ whole local queries against ``s``'s first chunk when ``s < r``, the local second
 when ``s > r``; step 0 is the local causal attention). Partial outputs merge through their log-sum-exps
 (``o = sum_p exp(lse_p - lse) o_p``, ``lse = log sum_p exp(lse_p)``), in fp32.
 
-The backward runs the ring again: each rank computes its queries' gradient against every shard as it passes, with
-the merged log-sum-exp and output (so each block's gradients are its exact share), and the fp32 dK/dV accumulators
-travel with their K/V shards, one hop further at the end, back to their owner.
+The backward runs the ring again: each rank computes its queries' gradient against every shard as it passes (the
+next shard coming in meanwhile), with the merged log-sum-exp and output (so each block's gradients are its exact
+share), and the fp32 dK/dV accumulators travel with their K/V shards, one hop further at the end, back to their
+owner.
 
 Limits: dense (B, H, S_local, D) shards, GQA/MQA, causal or full (no windows, no dropout); fp16/bf16/fp32 on GPUs
 (NCCL), fp32 and any float on CPUs (gloo, the Triton interpreter or the twin). One collective per forward checks that
@@ -182,6 +183,10 @@ def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layou
     kv = torch.stack([k, v])
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the gradient of the shard in hand
     for step in range(world):
+        requests = []
+        if step < world - 1:  # the next shard comes in while this one's gradients are computed
+            incoming = torch.empty_like(kv)
+            requests += _exchange(kv, incoming, next_rank, previous_rank, group, _KV_TAG)
         source = (rank - step) % world
         for rows, keys, block_causal in _blocks(step, rank, source, world, layout, causal, length):
             dq_part, dk_part, dv_part = _bwd_impl(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
@@ -190,15 +195,14 @@ def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layou
             dq[:, :, rows] += dq_part.float()
             dkv[0][:, :, keys] += dk_part.float()
             dkv[1][:, :, keys] += dv_part.float()
-        # the shard and its gradient move on together; after the last step the gradient makes one more hop, home
-        incoming_dkv = torch.empty_like(dkv)
-        requests = list(_exchange(dkv, incoming_dkv, next_rank, previous_rank, group, _GRAD_TAG))
-        if step < world - 1:
-            incoming = torch.empty_like(kv)
-            requests += _exchange(kv, incoming, next_rank, previous_rank, group, _KV_TAG)
+        # the gradient follows its shard; after the last step it makes one more hop, home (none with one rank)
+        if world > 1:
+            incoming_dkv = torch.empty_like(dkv)
+            requests += _exchange(dkv, incoming_dkv, next_rank, previous_rank, group, _GRAD_TAG)
         for request in requests:
             request.wait()
-        dkv = incoming_dkv
+        if world > 1:
+            dkv = incoming_dkv
         if step < world - 1:
             kv = incoming
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
