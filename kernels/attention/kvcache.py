@@ -4,7 +4,9 @@ The kernels are in ``kernels/attention/_decode.py``; tiles and the split count c
 ``kernels.attention.configs.decode_plan``. CPU tensors without the Triton interpreter, and float64 tensors, run the
 twin ``reference.attention.attention_with_kvcache``. Under torch.compile a call is the opaque op
 ``fused_kernels::flash_attn_kvcache`` (it writes the caches; ``kernels._common.opaque``), which runs this eager
-path when the compiled graph runs.
+path when the compiled graph runs. ``attend_every_key`` runs a decode-shaped dense ``flash_attention`` forward on the
+same kernel (the keys a full cache); its launch is recorded once per signature and replayed with the step's key
+count and cache strides.
 """
 
 from __future__ import annotations

@@ -47,8 +47,7 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     if out.numel() == 0:
         return out
     half = d // 2
-    sin = sin if sin.stride() == cos.stride() else sin.contiguous().expand_as(cos)
-    if sin.stride() != cos.stride():
+    if sin.stride() != cos.stride():  # the kernel takes one set of table strides
         cos, sin = cos.contiguous(), sin.contiguous()
     stride_cb = cos.stride(0) if cos.shape[0] == b and b > 1 else 0
     kernel_for(_rotary_kernel, traceable=False)[(cdiv(s, _BLOCK_S), b * h)](
