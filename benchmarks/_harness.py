@@ -23,7 +23,10 @@ import os
 import platform
 import re
 import statistics
+import sys
+import tempfile
 import time
+import traceback
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +51,28 @@ def gpu_slug() -> str:
 def results_dir() -> Path:
     base = os.environ.get("FUSED_KERNELS_RESULTS_DIR")
     return (Path(base) if base else RESULTS_ROOT) / gpu_slug()
+
+
+def spawn_ranks(worker: Callable[..., None], world: int, *args) -> None:
+    """Run ``worker(rank, world, init_file, *args)`` in ``world`` spawned processes, ``init_file`` a fresh
+    torch.distributed rendezvous file (the worker initialises and destroys its process group); returns when all are
+    done. A rank that raises prints its traceback and exits at once: a peer waiting in a collective that rank never
+    joins would hang its ``destroy_process_group``, and the exit makes the spawning process end the other ranks and
+    raise. The multi-GPU benchmark and the tests of context parallelism share it."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_rank_main, args=(worker, world, os.path.join(folder, "init"), args), nprocs=world,
+                           join=True, start_method="spawn")
+
+
+def _rank_main(rank: int, worker: Callable[..., None], world: int, init_file: str, args: tuple) -> None:
+    try:
+        worker(rank, world, init_file, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def time_ms(fn: Callable[[], object], *, grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
@@ -282,6 +307,7 @@ RATIO_PEERS: dict[str, tuple[str, ...]] = {
     "attention": ("sdpa-flash", "flex", "sdpa-cudnn"),
     "attention-varlen": ("sdpa-flash-padded", "sdpa-cudnn-padded"),
     "attention-decode": ("sdpa", "flex"),
+    "attention-cp": ("torch-cp-flash", "torch-cp-cudnn"),
     "model": ("torch",),
     "transformers": ("sdpa", "sdpa+liger"),
     "host": ("torch",),
@@ -337,6 +363,10 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         if lower else []
     head = ["direction", "dtype", *shape_keys, *providers, *(f"{p} device us" for p in beside),
             *(f"ours / {p}" for p in ratio_peers), "ours / best peer", "ours / ceiling"]
+    # parallel runs: ours' efficiency against one device doing the same work (stated by the family's suite)
+    efficiency = any("efficiency" in r for r in records if r["provider"] == ours_name)
+    if efficiency:
+        head.append("ours efficiency")
     if ours_name != "ours":
         head = [h.replace("ours", ours_name) if h.startswith("ours /") else h for h in head]
     lines.append("| " + " | ".join(head) + " |")
@@ -361,6 +391,8 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         else:
             cells.append("–")
         cells.append(f"{ours['ceiling_fraction']:.0%}" if ours and "ceiling_fraction" in ours else "–")
+        if efficiency:
+            cells.append(f"{ours['efficiency']:.0%}" if ours and "efficiency" in ours else "–")
         lines.append("| " + " | ".join(cells) + " |")
     extra_keys = [k for k in extras if any(k in r for r in records)]
     if extra_keys:
@@ -406,7 +438,7 @@ def plot(family: str, records: list[dict], x_key: str, path: Path, extras: Seque
 
 #: record keys that are measurements or annotations rather than shape (kept out of tables and panels)
 EXTRA_KEYS: tuple[str, ...] = ("saved_bytes_per_element", "peak_extra_mib", "x_key", "tokens_per_s", "loss_last",
-                                "peak_mib", "loss", "device_us")
+                                "peak_mib", "loss", "device_us", "efficiency", "single_gpu_ms", "world")
 
 
 def write_results(recorder: Recorder, out_dir: Path | None = None) -> list[Path]:

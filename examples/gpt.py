@@ -16,6 +16,16 @@ Both backends build the same parameters in the same order, so one ``torch.manual
     python examples/gpt.py --backend fused --steps 500 --compile
     python examples/gpt.py --help
 
+On several GPUs, under ``torchrun``: ``--parallel ddp`` (DistributedDataParallel) or ``--parallel fsdp`` (FSDP2,
+``fully_shard`` per block, then the whole model) split each batch's rows over the ranks; ``--context-parallel``
+splits each sequence over them instead (zigzag shards, attention by
+``kernels.attention.context_parallel_attention``, the gradients averaged over the ranks by DDP, FSDP or, with
+neither, one all-reduce per parameter). Every rank starts from the same weights and draws the same batches, so the
+losses are the one-GPU run's (reported as the mean over the ranks):
+
+    torchrun --nproc-per-node 2 examples/gpt.py --backend fused --parallel fsdp
+    torchrun --nproc-per-node 2 examples/gpt.py --backend fused --context-parallel --seq 16384 --batch 1 --dropout 0
+
 Without a GPU it runs on the CPU (our kernels through the Triton interpreter when ``TRITON_INTERPRET=1``;
 small ``--layers/--d-model/--seq`` then).
 """
@@ -41,7 +51,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the repository's
     sys.path.insert(0, str(ROOT))
 
 import kernels  # noqa: E402
-from kernels.attention import flash_attention  # noqa: E402
+from kernels.attention import context_parallel_attention, flash_attention, shard_sequence  # noqa: E402
 from kernels.layernorm import add_dropout_norm  # noqa: E402
 
 BACKENDS = ("torch", "fused")
@@ -56,6 +66,8 @@ class GPTConfig:
     d_model: int = 512
     dropout: float = 0.1
     backend: str = "fused"
+    #: attention over a sequence sharded across the ranks of the default process group (ring attention)
+    context_parallel: bool = False
 
 
 def fused_attention(q, k, v, p: float) -> torch.Tensor:
@@ -68,6 +80,12 @@ def torch_attention(q, k, v, p: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
 
+def context_parallel_causal_attention(q, k, v, p: float) -> torch.Tensor:
+    """Causal self-attention on this rank's zigzag shard of the sequence: ours, by ring attention (no attention
+    dropout: the model refuses a context-parallel config with dropout)."""
+    return context_parallel_attention(q, k, v, causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -77,6 +95,8 @@ class CausalSelfAttention(nn.Module):
         self.attention_dropout = config.dropout
         self.residual_dropout = nn.Dropout(config.dropout)
         self.attend = fused_attention if config.backend == "fused" else torch_attention
+        if config.context_parallel:
+            self.attend = context_parallel_causal_attention
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         """The attention branch before its residual dropout."""
@@ -120,6 +140,9 @@ class GPT(nn.Module):
         super().__init__()
         if config.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
+        if config.context_parallel and (config.backend != "fused" or config.dropout):
+            raise ValueError("context parallelism runs our ring attention, which has no attention dropout: it needs "
+                             f"backend 'fused' and dropout 0, got {config.backend!r} and {config.dropout}")
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
@@ -132,6 +155,9 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
         if config.backend == "fused":
             kernels.replace_modules(self)
+        #: each residual step and the next norm in one kernel (fused backend); False runs the blocks' own forward
+        #: (our modules still), as FSDP needs: it gathers a block's parameters when that block's forward runs
+        self.fuse_residual_stream = config.backend == "fused"
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -140,11 +166,14 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits (B, S, vocab); with ``targets``, ``(logits, mean cross-entropy)``."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        """Logits (B, S, vocab); with ``targets``, ``(logits, mean cross-entropy)``. ``positions``: the tokens'
+        positions in their sequence (default ``0 .. S - 1``; a context-parallel shard's are its chunks')."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         embedded = self.token_embedding(tokens) + self.position_embedding(positions)
-        if self.config.backend == "fused":
+        if self.fuse_residual_stream:
             normed = self._fused_residual_stream(embedded)
         else:
             x = self.embedding_dropout(embedded)
@@ -231,7 +260,7 @@ def _progress(label: str, step: int, steps: int, loss: float, seconds: float, wi
 
 def train(config: GPTConfig, *, steps: int, batch: int, device, init_seed: int = 0, data_seed: int = 0,
           lr: float = 1e-3, autocast_dtype: torch.dtype | None = torch.bfloat16, compile_model: bool = False,
-          progress: bool = False, pipelined: bool = False) -> TrainResult:
+          progress: bool = False, pipelined: bool = False, parallel: str | None = None) -> TrainResult:
     """Train a fresh model for ``steps`` AdamW steps; return each step's loss and time.
 
     ``init_seed`` fixes the initial weights and the dropout masks' generator, ``data_seed`` the batches, so
@@ -244,44 +273,105 @@ def train(config: GPTConfig, *, steps: int, batch: int, device, init_seed: int =
     GPU runs this one's, and a step's time is the GPU-side interval between CUDA events recorded at the start of
     successive steps (the GPU's pace when the host keeps ahead, the host's when it does not). On a CPU both time
     the host.
+
+    Over the ranks of an initialised default process group (``device`` being this rank's): ``parallel`` "ddp" or
+    "fsdp" wraps the model so (see the module docstring); without ``config.context_parallel`` each rank trains on
+    its rows of every batch (``batch`` is the global batch, a multiple of the ranks), with it on its shard of every
+    sequence. The losses returned are the means over the ranks: the global batch's.
     """
     device = torch.device(device)
+    distributed = parallel is not None or config.context_parallel
+    world = torch.distributed.get_world_size() if distributed else 1
+    rank = torch.distributed.get_rank() if distributed else 0
+    if parallel not in (None, *PARALLEL_MODES):
+        raise ValueError(f"parallel must be one of {PARALLEL_MODES} or None, got {parallel!r}")
+    if not config.context_parallel and batch % world:
+        raise ValueError(f"a batch of {batch} rows does not split over {world} ranks")
+    if config.context_parallel and compile_model:
+        raise ValueError("context parallelism runs eager: ring attention's point-to-point transfers do not compile")
     torch.manual_seed(init_seed)
     model = GPT(config).to(device).train()
+    step_fn = _parallel_model(model, parallel, device) if parallel else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    step_fn = torch.compile(model, fullgraph=True) if compile_model else model
+    step_fn = torch.compile(step_fn, fullgraph=parallel is None) if compile_model else step_fn
+    average_gradients = config.context_parallel and parallel is None
     corpus = load_corpus(device)
     pipelined = pipelined and device.type == "cuda"
     losses, times, step_marks = [], [], []
     use_autocast = autocast_dtype is not None
+    positions = None
+    if config.context_parallel:
+        positions = shard_sequence(torch.arange(config.seq_len, device=device), 0)
+    rows = slice(rank * batch // world, (rank + 1) * batch // world)
     for step, (tokens, targets) in enumerate(batches(corpus, batch, config.seq_len, steps, data_seed), 1):
+        if config.context_parallel:  # every rank takes every row, and its shard of each sequence
+            tokens, targets = shard_sequence(tokens, 1), shard_sequence(targets, 1)
+        elif distributed:
+            tokens, targets = tokens[rows], targets[rows]
         if pipelined:
             step_marks.append(_record_event())
         else:
             _synchronize(device)
             start = time.perf_counter()
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=use_autocast):
-            _, loss = step_fn(tokens, targets)
+            _, loss = step_fn(tokens, targets, positions)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if average_gradients:
+            _average_gradients(model, world)
         optimizer.step()
+        if distributed:  # the global batch's loss: the mean of the ranks' (equal shares of every batch)
+            loss = loss.detach().clone()
+            torch.distributed.all_reduce(loss)
+            loss /= world
         if pipelined:
             losses.append(loss.detach())
             continue
         _synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
-        if progress:
+        if progress and rank == 0:
             _progress(config.backend, step, steps, losses[-1], times[-1])
     if pipelined and losses:
         step_marks.append(_record_event())
         _synchronize(device)
         times = [1e-3 * begin.elapsed_time(end) for begin, end in itertools.pairwise(step_marks)]
         losses = torch.stack(losses).float().tolist()
-        if progress:
+        if progress and rank == 0:
             for step, (loss_value, seconds) in enumerate(zip(losses, times, strict=True), 1):
                 _progress(config.backend, step, steps, loss_value, seconds)
     return TrainResult(losses, times)
+
+
+#: ``--parallel``: how the ranks hold the parameters and reduce the gradients
+PARALLEL_MODES = ("ddp", "fsdp")
+
+
+def _parallel_model(model: GPT, parallel: str, device: torch.device) -> nn.Module:
+    """``model`` under DDP, or sharded by FSDP2 (each block, then the whole model: the embeddings, the final norm
+    and the tied head), over the default process group."""
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    model.fuse_residual_stream = False  # a block's parameters are gathered for its forward only
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _average_gradients(model: nn.Module, world: int) -> None:
+    """Every parameter's gradient, averaged over the ranks (context parallelism without DDP or FSDP: each rank's
+    gradient is of its shard's mean loss, and the shards are equal)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= world
 
 
 def _record_event() -> torch.cuda.Event:
@@ -324,20 +414,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pipelined", action="store_true",
                         help="let the host queue the next step while the GPU runs this one (losses read at the end); "
                              "steps timed by CUDA events")
+    parser.add_argument("--parallel", choices=PARALLEL_MODES, default=None,
+                        help="under torchrun: DDP, or FSDP2 per block (the batch's rows split over the ranks)")
+    parser.add_argument("--context-parallel", action="store_true",
+                        help="under torchrun: each sequence split over the ranks, ring attention (fused backend, "
+                             "--dropout 0)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    distributed = args.parallel is not None or args.context_parallel
+    if distributed:
+        device = _init_distributed(device)
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.dtype]
     backends = BACKENDS if args.backend == "both" else (args.backend,)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"GPT {args.layers} layers x d_model {args.d_model} x {args.heads} heads, seq {args.seq}, "
-          f"batch {args.batch}, dropout {args.dropout}, {args.dtype}{' compiled' if args.compile else ''}, "
-          f"{args.steps} steps on {name}", file=sys.stderr)
+    lead = not distributed or torch.distributed.get_rank() == 0
+    ranks = f" x {torch.distributed.get_world_size()} ranks ({_parallel_label(args)})" if distributed else ""
+    if lead:
+        print(f"GPT {args.layers} layers x d_model {args.d_model} x {args.heads} heads, seq {args.seq}, "
+              f"batch {args.batch}, dropout {args.dropout}, {args.dtype}{' compiled' if args.compile else ''}, "
+              f"{args.steps} steps on {name}{ranks}", file=sys.stderr)
     results = {}
     for backend in backends:
-        results[backend] = train(config_from_arguments(args, backend), steps=args.steps, batch=args.batch,
+        config = dataclasses.replace(config_from_arguments(args, backend), context_parallel=args.context_parallel)
+        results[backend] = train(config, steps=args.steps, batch=args.batch,
                                  device=device, init_seed=args.seed,
                                  data_seed=args.seed, lr=args.lr, autocast_dtype=autocast_dtype,
-                                 compile_model=args.compile, progress=True, pipelined=args.pipelined)
+                                 compile_model=args.compile, progress=True, pipelined=args.pipelined,
+                                 parallel=args.parallel)
+    if distributed:
+        torch.distributed.destroy_process_group()
+    if not lead:
+        return
     print(f"{'backend':>8} {'median ms/step':>15} {'tokens/s':>12} {'first loss':>11} {'last loss':>10}")
     for backend, result in results.items():
         ms = result.median_step_ms(args.warmup)
@@ -346,6 +453,28 @@ def main(argv: list[str] | None = None) -> None:
     if len(results) == 2:
         ratio = results["torch"].median_step_ms(args.warmup) / results["fused"].median_step_ms(args.warmup)
         print(f"fused step time is {ratio:.3f}x faster than torch's")
+
+
+def _parallel_label(args: argparse.Namespace) -> str:
+    return " + ".join(label for label, on in ((args.parallel, args.parallel), ("context parallel",
+                                                                              args.context_parallel)) if on)
+
+
+def _init_distributed(device: str) -> torch.device:
+    """The default process group from torchrun's environment (NCCL with a GPU per rank, else gloo); this rank's
+    device."""
+    import os
+
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit("--parallel and --context-parallel run under torchrun: torchrun --nproc-per-node N "
+                         "examples/gpt.py ...")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        return torch.device("cuda", local_rank)
+    torch.distributed.init_process_group("gloo")
+    return torch.device("cpu")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 # One run on a GPU machine: environment report, the CUDA test suite, the benchmarks.
 #
 #   bash scripts/gpu_check.sh [family ...]      # family: dropout | layernorm | attention | host | model |
-#                                               # transformers (default: all but model and transformers, the
-#                                               # training benchmarks, which run when named);
+#                                               # transformers | context_parallel (default: all but model and
+#                                               # transformers, the training benchmarks, and context_parallel, minutes
+#                                               # on every GPU of the host, which run when named);
 #                                               # any name N selects tests/test_N*.py (integration, gpt, swap, common)
 #
 # Uses the machine's own python3 (no network, no nox). Writes under $OUT (default ./gpu-out):
@@ -33,9 +34,10 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 
 tests_target=$(ls tests/test_*.py | tr '\n' ' ')
-# The model benchmarks (dozens of training runs, compiled ones included) run only when named: gpu_check.sh model,
-# gpu_check.sh transformers
-bench_target=$(ls benchmarks/bench_*.py | grep -v -e bench_model -e bench_transformers | tr '\n' ' ')
+# The model benchmarks (dozens of training runs, compiled ones included) and context parallelism (sequences to 512k
+# on every GPU) run only when named: gpu_check.sh model, gpu_check.sh transformers, gpu_check.sh context_parallel
+bench_target=$(ls benchmarks/bench_*.py | grep -v -e bench_model -e bench_transformers -e bench_context_parallel \
+  | tr '\n' ' ')
 if [ ${#FAMILIES[@]} -gt 0 ]; then
   tests_target="" bench_target=""
   for family in "${FAMILIES[@]}"; do

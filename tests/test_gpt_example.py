@@ -119,3 +119,64 @@ def test_the_model_compiles_fullgraph_and_matches_eager():
                    autocast_dtype=torch.bfloat16, compile_model=True)
     assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.5, result.losses
 
+
+
+#: (parallel, context_parallel) of the multi-process runs: data parallel both ways, context parallel alone and
+#: under FSDP
+PARALLEL_RUNS = [("ddp", False), ("fsdp", False), (None, True), ("fsdp", True)]
+PARALLEL_STEPS = 4
+
+
+def _parallel_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    import kernels._mode  # noqa: F401  (CUDA or the interpreter, before triton is imported)
+
+    # isort: split
+
+    import dataclasses
+    import json
+
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world and DEVICE == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    losses = {}
+    # fp32 (a few steps, compared step by step) everywhere; bf16 autocast (compared in the mean of the last
+    # steps) on GPUs
+    for autocast, steps in ((None, PARALLEL_STEPS), *(((AUTOCAST, STEPS),) if cuda else ())):
+        for parallel, context_parallel in PARALLEL_RUNS:
+            config = dataclasses.replace(GPTConfig(dropout=0.0, backend="fused", **SIZE),
+                                         context_parallel=context_parallel)
+            result = train(config, steps=steps, batch=BATCH, device=device, lr=LR, autocast_dtype=autocast,
+                           parallel=parallel)
+            losses[f"{parallel}+{'cp' if context_parallel else 'dp'} {autocast}"] = result.losses
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(losses, f)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_train_as_one_process_does_data_and_context_parallel(tmp_path):
+    """Two ranks (gloo on CPUs; NCCL where there is a GPU for each) under DDP, FSDP2 and context parallelism,
+    without dropout: in fp32 every step's loss is the one-process run's on the same global batch; under bf16
+    autocast (GPUs) the mean of the last steps is."""
+    import json
+
+    from benchmarks._harness import spawn_ranks
+
+    world = 2
+    out_file = tmp_path / "losses.json"
+    spawn_ranks(_parallel_worker, world, str(out_file))
+    single = _train("fused", 0.0, steps=PARALLEL_STEPS, autocast_dtype=None)
+    assert single.losses[-1] < single.losses[0]  # it trains, so a run that did not would differ
+    single_bf16 = _train("fused", 0.0) if AUTOCAST is not None else None
+    for run, losses in json.loads(out_file.read_text()).items():
+        if run.endswith(" None"):
+            for step, (a, b) in enumerate(zip(losses, single.losses, strict=True), 1):
+                assert abs(a - b) <= LOSS_RTOL * abs(b), f"{run}, step {step}: {a:.6f} on 2 ranks vs {b:.6f} on one"
+        else:
+            ours, one = (sum(x[-LAST_STEPS:]) / LAST_STEPS for x in (losses, single_bf16.losses))
+            assert abs(ours - one) <= LAST_MEAN_RTOL * one, f"{run}: last steps' mean {ours:.4f} vs {one:.4f}"

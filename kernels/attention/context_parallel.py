@@ -19,8 +19,9 @@ when ``s > r``; step 0 is the local causal attention). Partial outputs merge thr
 
 The backward runs the ring again: each rank computes its queries' gradient against every shard as it passes (the
 next shard coming in meanwhile), with the merged log-sum-exp and output (so each block's gradients are its exact
-share), and the fp32 dK/dV accumulators travel with their K/V shards, one hop further at the end, back to their
-owner.
+share). The fp32 dK/dV of a shard follow it one step behind: a rank adds its share to the sum the shard's earlier
+holders sent during this step's compute and sends it on during the next one; the last hop, back to the shard's
+owner, is the only transfer not hidden behind compute.
 
 Limits: dense (B, H, S_local, D) shards, GQA/MQA, causal or full (no windows, no dropout); fp16/bf16/fp32 on GPUs
 (NCCL), fp32 and any float on CPUs (gloo, the Triton interpreter or the twin). One collective per forward checks that
@@ -30,8 +31,6 @@ every rank.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -141,13 +140,15 @@ def _check_shapes(q, k, v, group) -> None:
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
-    """Merge a partial result into ``out``/``lse`` (fp32) at ``rows``, through the log-sum-exps."""
+    """Merge a partial result into ``out``/``lse`` (fp32) at ``rows``, through the log-sum-exps, in place (the rows
+    of ``out`` are read and written once each, the partial output read once)."""
     old = lse[:, :, rows]
     new = torch.logaddexp(old, lse_part)
-    finite = torch.isfinite(new)
-    keep_old = torch.where(finite, torch.exp(old - new), torch.zeros_like(new))
-    take_part = torch.where(finite, torch.exp(lse_part - new), torch.zeros_like(new))
-    out[:, :, rows] = out[:, :, rows] * keep_old[..., None] + o_part.float() * take_part[..., None]
+    finite = torch.isfinite(new)  # rows that see no key yet keep -inf and a zero output
+    keep_old = torch.where(finite, torch.exp(old - new), 0.0)
+    take_part = torch.where(finite, torch.exp(lse_part - new), 0.0)
+    out_rows = out[:, :, rows]
+    out_rows.mul_(keep_old[..., None]).add_(o_part * take_part[..., None])
     lse[:, :, rows] = new
 
 
@@ -155,8 +156,7 @@ def _ring_forward(q, k, v, group, causal: bool, scale: float, layout: str):
     world, rank = _group_info(group)
     next_rank, previous_rank = _ring_peers(group, world, rank)
     length = q.shape[2]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+    out = lse = None
     kv = torch.stack([k, v])
     for step in range(world):
         pending = None
@@ -167,7 +167,10 @@ def _ring_forward(q, k, v, group, causal: bool, scale: float, layout: str):
         for rows, keys, block_causal in _blocks(step, rank, source, world, layout, causal, length):
             o_part, lse_part = _fwd_impl(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], -1,
                                          0 if block_causal else -1, scale)
-            _merge(out, lse, rows, o_part, lse_part.float())
+            if out is None:  # step 0 covers every row: its result is the start of the merge
+                out, lse = o_part.float(), lse_part.float().contiguous()
+            else:
+                _merge(out, lse, rows, o_part, lse_part.float())
         if pending is not None:
             for request in pending:
                 request.wait()
@@ -181,30 +184,39 @@ def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layou
     length = q.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the gradient of the shard in hand
+    # The gradient of a K/V shard gathers along the ring behind the shard: at each step a rank adds its share for
+    # the shard in hand to what the shard's earlier holders summed (sent by the previous rank during this step's
+    # compute) and sends the sum on, to arrive during the next step's compute; the last hop brings it home.
+    sending = received = None
+    grad_requests: list = []
     for step in range(world):
-        requests = []
+        kv_requests = []
         if step < world - 1:  # the next shard comes in while this one's gradients are computed
             incoming = torch.empty_like(kv)
-            requests += _exchange(kv, incoming, next_rank, previous_rank, group, _KV_TAG)
+            kv_requests = _exchange(kv, incoming, next_rank, previous_rank, group, _KV_TAG)
         source = (rank - step) % world
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # this rank's share, this shard
         for rows, keys, block_causal in _blocks(step, rank, source, world, layout, causal, length):
             dq_part, dk_part, dv_part = _bwd_impl(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
                                                   kv[1][:, :, keys], o[:, :, rows], lse[:, :, rows], -1,
                                                   0 if block_causal else -1, scale)
-            dq[:, :, rows] += dq_part.float()
-            dkv[0][:, :, keys] += dk_part.float()
-            dkv[1][:, :, keys] += dv_part.float()
-        # the gradient follows its shard; after the last step it makes one more hop, home (none with one rank)
-        if world > 1:
-            incoming_dkv = torch.empty_like(dkv)
-            requests += _exchange(dkv, incoming_dkv, next_rank, previous_rank, group, _GRAD_TAG)
-        for request in requests:
+            dq[:, :, rows] += dq_part
+            dkv[0][:, :, keys] += dk_part
+            dkv[1][:, :, keys] += dv_part
+        for request in grad_requests:
             request.wait()
+        if step > 0:
+            dkv += received
         if world > 1:
-            dkv = incoming_dkv
+            sending, received = dkv, torch.empty_like(dkv)
+            grad_requests = _exchange(sending, received, next_rank, previous_rank, group, _GRAD_TAG)
+        for request in kv_requests:
+            request.wait()
         if step < world - 1:
             kv = incoming
+    for request in grad_requests:
+        request.wait()
+    dkv = received if world > 1 else dkv  # this rank's own shard's gradient, summed over every rank
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
