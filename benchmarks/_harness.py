@@ -308,6 +308,7 @@ RATIO_PEERS: dict[str, tuple[str, ...]] = {
     "attention-varlen": ("sdpa-flash-padded", "sdpa-cudnn-padded"),
     "attention-decode": ("sdpa", "flex"),
     "attention-cp": ("torch-cp-flash", "torch-cp-cudnn"),
+    "attention-decode-fp8": ("bf16-cache",),
     "model": ("torch",),
     "transformers": ("sdpa", "sdpa+liger"),
     "host": ("torch",),
@@ -438,7 +439,7 @@ def plot(family: str, records: list[dict], x_key: str, path: Path, extras: Seque
 
 #: record keys that are measurements or annotations rather than shape (kept out of tables and panels)
 EXTRA_KEYS: tuple[str, ...] = ("saved_bytes_per_element", "peak_extra_mib", "x_key", "tokens_per_s", "loss_last",
-                                "peak_mib", "loss", "device_us", "efficiency", "single_gpu_ms", "world")
+                                "peak_mib", "loss", "device_us", "efficiency", "single_gpu_ms", "world", "kv_gbps")
 
 
 def write_results(recorder: Recorder, out_dir: Path | None = None) -> list[Path]:

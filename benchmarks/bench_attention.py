@@ -258,12 +258,13 @@ DECODE_POINTS = [
 DECODE_PAGE = 16
 
 
-def _decode_call(provider: str, b: int, hq: int, hkv: int, sk: int, d: int, dtype, paged: bool):
+def _decode_call(provider: str, b: int, hq: int, hkv: int, sk: int, d: int, dtype, paged: bool, fp8: bool = False):
     """``(call, bytes)``: one decode step of ``provider`` on inputs of its own, and the bytes it reads (its cache).
 
     Ours: split-KV, one K/V read per GQA group; paged: pages of ``DECODE_PAGE`` positions scattered over the pool
-    in random order. SDPA: flash or efficient (``_decode_sdpa_backend``) on K/V expanded to Hq heads beforehand,
-    as a cache stored that way. FlexAttention: its decoding kernel, native GQA. The peers read contiguous caches."""
+    in random order; ``fp8``: the cache in float8_e4m3fn, one scale per key/value head (its largest value / 448).
+    SDPA: flash or efficient (``_decode_sdpa_backend``) on K/V expanded to Hq heads beforehand, as a cache stored
+    that way. FlexAttention: its decoding kernel, native GQA. The peers read contiguous caches."""
     from kernels.attention import flash_attention_with_kvcache
 
     q = torch.randn(b, hq, 1, d, device=DEVICE, dtype=dtype)
@@ -280,7 +281,15 @@ def _decode_call(provider: str, b: int, hq: int, hkv: int, sk: int, d: int, dtyp
             by_page = [t.view(b, hkv, pages_per_seq, page, d).transpose(1, 2).reshape(-1, hkv, page, d)
                        for t in (k, v)]
             k, v = (torch.empty_like(p).index_copy_(0, order, p) for p in by_page)
-        return functools.partial(flash_attention_with_kvcache, q, k, v, seqlens, block_table=table), 2 * k.nbytes
+        scales = {}
+        if fp8:
+            import reference.attention as twin
+
+            scales = {name: t.float().abs().amax(dim=(0, 2, 3)) / twin.FP8_MAX for name, t in (("k", k), ("v", v))}
+            k, v = (twin.quantize_fp8(t, scales[name].view(1, hkv, 1, 1)) for name, t in (("k", k), ("v", v)))
+            scales = {"k_scale": scales["k"], "v_scale": scales["v"]}
+        return functools.partial(flash_attention_with_kvcache, q, k, v, seqlens, block_table=table,
+                                 **scales), 2 * k.nbytes
     if provider == "flex":
         return functools.partial(_flex_decode(), q, k, v, enable_gqa=True), 2 * k.nbytes
     k, v = (t.repeat_interleave(hq // hkv, 1) for t in (k, v))
@@ -309,6 +318,24 @@ def _decode_sdpa_backend(q, k, v) -> str:
     if best is None:
         pytest.skip("no SDPA backend takes this decode point")
     return best[1]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize(("b", "hq", "hkv", "sk", "d"), [(2, 4, 2, 64, 16)] if SMOKE else DECODE_POINTS, ids=str)
+def test_attention_decode_fp8(recorder, b, hq, hkv, sk, d, paged):
+    """One decode step of ours on an FP8 cache (``kv_dtype`` float8_e4m3fn) against the same step on the bf16 cache
+    (provider ``bf16-cache``, our own kernel: the reference an FP8 cache is measured against), device time by CUDA-graph
+    replay; tokens/s = B per step, so the table's ratio is the FP8 cache's speed-up. ``kv_gbps``: GB/s of the cache
+    read (half the bytes in FP8)."""
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    shape = {"timing": "device", "B": b, "Hq": hq, "Hkv": hkv, "Sk": sk, "D": d,
+             "block_size": DECODE_PAGE if paged else 0, "kv_dtype": "float8_e4m3fn"}
+    for provider, fp8 in (("ours", True), ("bf16-cache", False)):
+        _, touched = _decode_call("ours", b, hq, hkv, sk, d, dtype, paged, fp8)
+        make = functools.partial(lambda f: _decode_call("ours", b, hq, hkv, sk, d, dtype, paged, f)[0], fp8)
+        ms = graph_ms(make, touched_bytes=touched)
+        recorder.add(family="attention-decode-fp8", provider=provider, direction="fwd", dtype=dtype, shape=shape,
+                     ms=ms, x_key="Sk", tokens=b, extra={"kv_gbps": touched / (ms * 1e-3) / 1e9})
 
 
 @pytest.mark.parametrize("timing", ["host", "device"])

@@ -343,8 +343,26 @@ def _write_cache(cache: torch.Tensor, b: int, block_table, start: int, new: torc
             cache[int(block_table[b, pos // block_size]), :, pos % block_size] = new[:, t]
 
 
+#: the largest finite float8_e4m3fn value: quantised K/V saturate here (the format has no infinity)
+FP8_MAX = 448.0
+
+
+def kv_scales(scale, heads: int, device) -> torch.Tensor:
+    """An FP8 cache's dequantisation scale as an fp32 tensor (Hkv,): from a Python float, an fp32 tensor of shape ()
+    (one scale for every head) or (Hkv,) (one per head)."""
+    if isinstance(scale, torch.Tensor):
+        return scale.to(device=device, dtype=torch.float32).expand(heads)
+    return torch.full((heads,), float(scale), dtype=torch.float32, device=device)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` rounded to the nearest float8_e4m3fn (ties to even), saturating at +-448: what an FP8 cache
+    stores for ``x``, which it reads back as ``stored * scale``. ``scale`` broadcasts against ``x``."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=True,
-                           softmax_scale=None, window_size=(-1, -1), return_lse=False):
+                           softmax_scale=None, window_size=(-1, -1), return_lse=False, k_scale=None, v_scale=None):
     """Attention of new queries against a KV cache (forward only), written the plain way: append, gather,
     attend.
 
@@ -355,20 +373,30 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     queries attend to its ``cache_seqlens[b] + Sq_new`` keys with :func:`attention`'s masks: queries align
     bottom-right, so with ``causal`` query ``i`` of ``Sq`` sees keys up to ``i + L - Sq`` where ``L`` is that
     sequence's key count. A sequence with no key gets zeros. ``return_lse`` adds the natural-log log-sum-exp of
-    each query's visible scores, (B, Hq, Sq) in the compute dtype (-inf where no key is visible)."""
+    each query's visible scores, (B, Hq, Sq) in the compute dtype (-inf where no key is visible).
+
+    An FP8 cache (float8_e4m3fn) holds ``K / k_scale`` and ``V / v_scale`` (:func:`quantize_fp8`; the scales a float
+    or an fp32 tensor of shape () or (Hkv,), :func:`kv_scales`): new tokens are quantised on the way in, and the
+    attention reads ``stored * scale``."""
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    heads = k_cache.shape[1]
+    ks, vs = ((kv_scales(k_scale, heads, q.device)[:, None, None], kv_scales(v_scale, heads, q.device)[:, None, None])
+              if fp8 else (None, None))
     new = 0 if k is None else k.shape[2]
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=_compute_dtype(q), device=q.device)
     for b in range(q.shape[0]):
         start = int(cache_seqlens[b])
         if k is not None:
-            _write_cache(k_cache, b, block_table, start, k[b])
-            _write_cache(v_cache, b, block_table, start, v[b])
+            _write_cache(k_cache, b, block_table, start, quantize_fp8(k[b], ks) if fp8 else k[b])
+            _write_cache(v_cache, b, block_table, start, quantize_fp8(v[b], vs) if fp8 else v[b])
         length = start + new
         keys = _cache_rows(k_cache, b, block_table, length)[None]
         values = _cache_rows(v_cache, b, block_table, length)[None]
+        if fp8:
+            keys, values = keys.float() * ks, values.float() * vs
         out[b] = attention(q[b:b + 1], keys, values, causal=causal, softmax_scale=softmax_scale,
                            window_size=window_size)[0]
         if return_lse:

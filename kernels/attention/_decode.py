@@ -3,7 +3,8 @@
 Implements ``reference.attention.attention_with_kvcache`` (read beside it) in two kernels:
 - ``_kvcache_append_kernel``: copies the new keys and values into the cache at positions ``cache_seqlens[b] ...``
   of each sequence, in place (through the block table when the cache is paged). One program per (token block,
-  batch * key/value head); K and V in the same program.
+  batch * key/value head); K and V in the same program. Into an FP8 cache (``QUANTIZE``) it writes the bytes of
+  ``value / scale`` rounded to float8_e4m3fn as torch rounds (``_fp8_e4m3_bits``, integer arithmetic).
 - ``_kvcache_attn_kernel``: one program per (batch * key/value head, key split, row block). Its rows are the
   queries of every query head that shares the key/value head (row ``r``: query head ``hk * GROUP + r // Sq``, query
   ``r % Sq``), so one read of a K/V tile serves the whole GQA group instead of one read per query head. The keys
@@ -31,7 +32,11 @@ Paged caches (``PAGED``): position ``j`` of sequence ``b`` lives in page ``block
 than a key block). The page numbers are loads the K/V loads depend on: Triton's pipeliner puts them a stage ahead
 and keeps one K/V block in flight per program instead of two, so a paged launch runs two programs per SM.
 
-Limits: forward only, any head dim of the family (padded to a power of two inside the kernels), fp16/bf16/fp32.
+FP8 caches: tiles are widened to q's dtype before their products; the K scale multiplies the softmax scale and the V
+scale the normalised output, per key/value head (a float argument, or read from memory).
+
+Limits: forward only, any head dim of the family (padded to a power of two inside the kernels), fp16/bf16/fp32 (and
+float8_e4m3fn caches).
 ``cache_seqlens[b] + Sq_new`` is clamped to the cache's capacity (and at 0): lengths live on the device and are
 not checked on the host (that would wait for the GPU); block-table entries are not checked either.
 
@@ -49,6 +54,40 @@ import triton.language as tl
 from kernels.attention._kernels import _apply_window, _load_tile, _online_softmax_step
 
 _LN2 = tl.constexpr(0.6931471805599453)
+
+
+#: the largest finite float8_e4m3fn value (``reference.attention.FP8_MAX``)
+_FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _head_scale(value, ptr, stride, hk, IN_MEMORY: tl.constexpr):
+    """An FP8 cache's scale for key/value head ``hk``: ``value`` (a float argument), or read from ``ptr`` (an fp32
+    tensor of shape () with ``stride`` 0, or (Hkv,))."""
+    if IN_MEMORY:
+        return tl.load(ptr + hk * stride)
+    return value
+
+
+@triton.jit
+def _fp8_e4m3_bits(x):
+    """The float8_e4m3fn bits (uint8) of fp32 ``x``, rounded to nearest with ties to even, saturating at +-448 (the
+    format has no infinity), NaN as 0x7F with x's sign: torch's ``x.clamp(-448, 448).to(torch.float8_e4m3fn)``. In
+    integer arithmetic, because the Triton interpreter's own fp32 -> fp8 conversion drops the rounding carry (125.7
+    became 64) and breaks ties away from zero."""
+    xi = x.to(tl.int32, bitcast=True)
+    sign = (xi >> 24) & 0x80
+    a = tl.minimum(tl.abs(x), _FP8_MAX)
+    ai = a.to(tl.int32, bitcast=True)
+    # from 2^-6 up: keep 3 of the 23 mantissa bits, ties to even, the carry free to move into the exponent; then the
+    # exponent rebiased from fp32's 127 to 7
+    normal = ((ai + 0x7FFFF + ((ai >> 20) & 1)) >> 20) - (120 << 3)
+    # below 2^-6: multiples of 2^-9 (adding 2^23 leaves fp32 a unit in the last place of 1: ties to even); 8 of them
+    # is 2^-6, whose bits are the same number
+    subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    bits = tl.where(a < 0.015625, subnormal, normal)
+    bits = tl.where(x != x, 0x7F, bits)
+    return (bits | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -82,7 +121,9 @@ def _kvcache_append_kernel(
     stride_kcb, stride_kch, stride_kcs, stride_kcd,
     stride_vcb, stride_vch, stride_vcs, stride_vcd,
     Hkv, S_new, D, block_size, capacity,
-    PAGED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_scale, v_scale, k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # QUANTIZE: the FP8 cache's scales
+    PAGED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, QUANTIZE: tl.constexpr,
+    K_SCALE_IN_MEMORY: tl.constexpr, V_SCALE_IN_MEMORY: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -106,6 +147,11 @@ def _kvcache_append_kernel(
     v_src = v_new_ptr + b.to(tl.int64) * stride_vnb + hk.to(tl.int64) * stride_vnh
     k = tl.load(k_src + t[:, None].to(tl.int64) * stride_kns + offs_d[None, :] * stride_knd, mask=ok)
     v = tl.load(v_src + t[:, None].to(tl.int64) * stride_vns + offs_d[None, :] * stride_vnd, mask=ok)
+    if QUANTIZE:  # an FP8 cache, passed as its bytes: K / k_scale and V / v_scale, rounded as torch rounds
+        k = _fp8_e4m3_bits(tl.math.div_rn(k.to(tl.float32),
+                                          _head_scale(k_scale, k_scale_ptr, stride_k_scale, hk, K_SCALE_IN_MEMORY)))
+        v = _fp8_e4m3_bits(tl.math.div_rn(v.to(tl.float32),
+                                          _head_scale(v_scale, v_scale_ptr, stride_v_scale, hk, V_SCALE_IN_MEMORY)))
     k_dst = k_cache_ptr + hk.to(tl.int64) * stride_kch + k_rows[:, None] + offs_d[None, :] * stride_kcd
     v_dst = v_cache_ptr + hk.to(tl.int64) * stride_vch + v_rows[:, None] + offs_d[None, :] * stride_vcd
     tl.store(k_dst, k, mask=ok)
@@ -127,14 +173,14 @@ def _kvcache_attn_inner(
         v_rows = _cache_row_offsets(cols, table_row, block_size, stride_vpage, stride_vs, L, PAGED, MASKED)
         k_ptrs = k_head + k_rows[:, None] + offs_d[None, :] * stride_kd
         v_ptrs = v_head + v_rows[:, None] + offs_d[None, :] * stride_vd
-        k = _load_tile(k_ptrs, cols, L, offs_d, D, MASKED, EVEN_D)
+        k = _load_tile(k_ptrs, cols, L, offs_d, D, MASKED, EVEN_D).to(q.dtype)  # an FP8 cache's tiles widen here
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         seen = None
         if MASKED:
             seen = _apply_window(cols[None, :] < L, q_idx[:, None], cols[None, :], lo_shift, hi_shift, False,
                                  HAS_LEFT, HAS_RIGHT)
         p, alpha, m_new, l_i = _online_softmax_step(qk, seen, m_i, l_i, scale_log2, MASKED)
-        v = _load_tile(v_ptrs, cols, L, offs_d, D, MASKED, EVEN_D)
+        v = _load_tile(v_ptrs, cols, L, offs_d, D, MASKED, EVEN_D).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -159,9 +205,11 @@ def _kvcache_attn_kernel(
     scale_log2,  # softmax_scale * log2(e)
     LEFT, RIGHT,  # the band around query i's key position i + L - Sq (causal: RIGHT = 0)
     SPLITS,  # key splits per (batch, key/value head)
+    k_scale, v_scale, k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # an FP8 cache's scales (else 1.0)
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
     STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, K_SCALE_IN_MEMORY: tl.constexpr,
+    V_SCALE_IN_MEMORY: tl.constexpr,
 ):
     pid_bhk = tl.program_id(0)
     split = tl.program_id(1)
@@ -174,7 +222,10 @@ def _kvcache_attn_kernel(
     q_idx = rows % Sq
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    scale_log2 = tl.cast(scale_log2, tl.float32)
+    # an FP8 cache's K scale folds into the scores' scale, its V scale into the normalised output
+    scale_log2 = tl.cast(scale_log2, tl.float32) * _head_scale(k_scale, k_scale_ptr, stride_k_scale, hk,
+                                                               K_SCALE_IN_MEMORY)
+    v_scale = _head_scale(v_scale, v_scale_ptr, stride_v_scale, hk, V_SCALE_IN_MEMORY)
 
     q_ptrs = (q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
               + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
@@ -227,7 +278,7 @@ def _kvcache_attn_kernel(
     # which would turn a NaN row into zeros
     seen = ~(l_i == 0.0)
     safe_l = tl.where(seen, l_i, 1.0)
-    o = tl.where(seen[:, None], acc / safe_l[:, None], 0.0)
+    o = tl.where(seen[:, None], acc / safe_l[:, None] * v_scale, 0.0)  # (times 1.0 exactly, but for FP8)
     lse = tl.where(seen, (m_i + tl.math.log2(safe_l)) * _LN2, float("-inf"))
     row_ok = rows < ROWS
     if SPLIT:

@@ -1,4 +1,5 @@
-"""Launchers of attention against a KV cache (inference, forward only): ``flash_attention_with_kvcache``.
+"""Launchers of attention against a KV cache (inference, forward only): ``flash_attention_with_kvcache``, on
+fp16/bf16/fp32 caches and float8_e4m3fn ones with their scales.
 
 The kernels are in ``kernels/attention/_decode.py``; tiles and the split count come from
 ``kernels.attention.configs.decode_plan``. CPU tensors without the Triton interpreter, and float64 tensors, run the
@@ -15,6 +16,7 @@ import torch
 
 import reference.attention as twin
 from kernels._common import (
+    FLOAT_DTYPES,
     backend_for,
     cdiv,
     check_float_dtype,
@@ -32,6 +34,7 @@ from kernels._common.launch import (
     prepared_launches_enabled,
 )
 from kernels._common.opaque import opaque_op
+from kernels._common.runtime import INTERPRETER
 from kernels._common.validate import indices_checked
 from kernels.attention import configs
 from kernels.attention._decode import _kvcache_append_kernel, _kvcache_attn_kernel
@@ -49,14 +52,25 @@ def _check_int32(name: str, t, dims: int) -> None:
         raise ValueError(f"{name} must be {dims}-D, got shape {list(t.shape)}")
 
 
-def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> int:
+#: the cache dtype that holds K/V quantised, with a scale per cache (``k_scale``, ``v_scale``)
+FP8_CACHE = torch.float8_e4m3fn
+
+
+def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_scale) -> int:
     """The argument checks that need no GPU synchronisation; returns the cache's capacity per sequence."""
+    check_float_dtype("q", q)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float_dtype(name, t, (*FLOAT_DTYPES, FP8_CACHE))
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float_dtype(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {list(t.shape)}")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise TypeError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    fp8 = k_cache.dtype == FP8_CACHE
+    if k_cache.dtype != v_cache.dtype or not (fp8 or q.dtype == k_cache.dtype):
+        raise TypeError(f"q, k_cache, v_cache must share one dtype (or the caches both be {FP8_CACHE}, with k_scale "
+                        f"and v_scale), got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if fp8 and q.dtype == torch.float64:
+        raise TypeError(f"an {FP8_CACHE} cache takes fp16, bf16 or fp32 queries, got {q.dtype}")
+    _check_scales(k_scale, v_scale, fp8, k_cache.shape[1], q.device)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {list(k_cache.shape)} and "
                          f"{list(v_cache.shape)}")
@@ -87,10 +101,11 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> int:
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     if k is not None:
+        new_dtype = q.dtype if fp8 else k_cache.dtype  # an FP8 cache quantises what comes in
         for name, t in (("k", k), ("v", v)):
             check_tensor(name, t)
-            if t.dtype != k_cache.dtype:
-                raise TypeError(f"{name} must have the cache's dtype {k_cache.dtype}, got {t.dtype}")
+            if t.dtype != new_dtype:
+                raise TypeError(f"{name} must have {'q' if fp8 else 'the cache'}'s dtype {new_dtype}, got {t.dtype}")
             if t.dim() != 4 or t.shape[0] != batch or t.shape[1] != kv_heads or t.shape[3] != d:
                 raise ValueError(f"{name} must be (B, Hkv, Sq_new, D) = ({batch}, {kv_heads}, Sq_new, {d}), got "
                                  f"{list(t.shape)}")
@@ -107,6 +122,39 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> int:
                          f"require{'s' if len(names) == 1 else ''} grad: call it under torch.no_grad() or "
                          f"torch.inference_mode(), or pass detached tensors")
     return capacity
+
+
+def _check_scales(k_scale, v_scale, fp8: bool, kv_heads: int, device: torch.device) -> None:
+    """An FP8 cache needs both scales, each a positive finite float or an fp32 tensor of shape () or (Hkv,) on the
+    cache's device; any other cache takes none."""
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale and v_scale are for {FP8_CACHE} caches; this cache holds its values as they are")
+        return
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise ValueError(f"an {FP8_CACHE} cache needs k_scale and v_scale (stored = value / scale); {name} is "
+                             f"missing")
+        if isinstance(scale, torch.Tensor):
+            if scale.dtype != torch.float32 or scale.shape not in ((), (kv_heads,)):
+                raise ValueError(f"{name} must be a float or an fp32 tensor of shape () or (Hkv,) = ({kv_heads},), "
+                                 f"got a {scale.dtype} tensor of shape {list(scale.shape)}")
+            check_same_device(k_cache=torch.empty(0, device=device), **{name: scale})
+        elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise ValueError(f"{name} must be a positive finite float or an fp32 tensor, got {scale!r}")
+
+
+def _scale_args(k_scale, v_scale) -> tuple[tuple, dict]:
+    """The kernels' scale arguments: (k value, v value, k pointer, v pointer, k stride, v stride) and the constexprs
+    that say which scales are read from memory; 1.0 and nothing read for caches that are not FP8."""
+    values, pointers, strides, flags = [], [], [], {}
+    for name, scale in (("K", k_scale), ("V", v_scale)):
+        in_memory = isinstance(scale, torch.Tensor)
+        values.append(1.0 if scale is None or in_memory else float(scale))
+        pointers.append(scale if in_memory else None)
+        strides.append(scale.stride(0) if in_memory and scale.dim() else 0)
+        flags[f"{name}_SCALE_IN_MEMORY"] = in_memory
+    return (*values, *pointers, *strides), flags
 
 
 def _check_indices(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, new_tokens: int, capacity: int,
@@ -152,22 +200,27 @@ def _arrivals(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
-def _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity: int) -> None:
+def _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity: int, k_scale, v_scale) -> None:
     batch, kv_heads, new_tokens, d = k.shape
     bd = configs.block_d(d)
     paged = block_table is not None
     table = block_table if paged else cache_seqlens
     grid = (cdiv(new_tokens, _APPEND_TOKENS), batch * kv_heads)
+    quantize = k_cache.dtype == FP8_CACHE
+    if quantize:  # the kernel writes the FP8 bytes it rounds itself
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    scale_args, scale_flags = _scale_args(k_scale, v_scale)
     kernel_for(_kvcache_append_kernel, traceable=False)[grid](
         k, v, k_cache, v_cache, cache_seqlens, table, table.stride(0) if paged else 0,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        kv_heads, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
-        PAGED=paged, BLOCK_T=_APPEND_TOKENS, BLOCK_D=bd, num_warps=4,
+        kv_heads, new_tokens, d, k_cache.shape[2] if paged else 1, capacity, *scale_args,
+        PAGED=paged, BLOCK_T=_APPEND_TOKENS, BLOCK_D=bd, QUANTIZE=quantize, **scale_flags, num_warps=4,
     )
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=True,
-                                 softmax_scale=None, window_size=(-1, -1), return_lse=False):
+                                 softmax_scale=None, window_size=(-1, -1), return_lse=False, k_scale=None,
+                                 v_scale=None):
     """Attention of new queries against a KV cache, for inference (forward only, no autograd).
 
     ``q`` (B, Hq, Sq, D). The cache is contiguous, ``k_cache``/``v_cache`` (B, Hkv, S_max, D), or paged,
@@ -180,6 +233,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     ``window_size = (left, right)`` bounds the band the same way. A query that sees no key gets zeros (and a
     log-sum-exp of -inf). GQA/MQA: ``Hq`` a multiple of ``Hkv``. Any strides; fp16, bf16, fp32, and float64 (the
     twin, on any device).
+
+    FP8 caches: ``k_cache``/``v_cache`` may be ``torch.float8_e4m3fn`` (with fp16, bf16 or fp32 queries), holding
+    ``K / k_scale`` and ``V / v_scale``; each scale is a positive float or an fp32 tensor of shape () or (Hkv,) (one
+    per key/value head), and both are required. The kernel reads ``stored * scale`` (the K scale folded into the
+    softmax scale, the V scale into the output); ``k``/``v``, in q's dtype, are quantised on the way in (``value /
+    scale`` rounded to nearest, ties to even, saturating at +-448), exactly as the twin's
+    ``reference.attention.quantize_fp8``.
 
     Returns the output (B, Hq, Sq, D) in q's dtype, and with ``return_lse`` also the natural-log log-sum-exp
     (B, Hq, Sq) fp32.
@@ -198,37 +258,47 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     CPU checks on CUDA calls too, at the cost of one synchronisation per call. Forward only: a call with grad mode
     on and a tensor that requires grad raises ``ValueError``.
     """
-    capacity = _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+    capacity = _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_scale)
     left, right = _window(window_size, bool(causal))
     scale = _scale(softmax_scale, q.shape[3])
     if torch.compiler.is_compiling():  # the lengths are known when the graph runs: the op reads and checks them then
-        o, lse = _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left, right, scale, return_lse)
+        scale_values = [float(s) if s is not None and not isinstance(s, torch.Tensor) else 1.0
+                        for s in (k_scale, v_scale)]
+        scale_tensors = [s if isinstance(s, torch.Tensor) else None for s in (k_scale, v_scale)]
+        o, lse = _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left, right, scale, return_lse,
+                             *scale_values, *scale_tensors)
     else:
         o, lse = _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left, right, scale, return_lse,
-                               capacity)
+                               capacity, k_scale, v_scale)
     return (o, lse) if return_lse else o
 
 
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_left, window_right, scale,
-                  return_lse):
+                  return_lse, k_scale_value=1.0, v_scale_value=1.0, k_scale=None, v_scale=None):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         q.shape[:3] if return_lse else (0,), dtype=lse_dtype)
 
 
 @opaque_op("flash_attn_kvcache", "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, "
-           "Tensor? v, Tensor? block_table, SymInt window_left, SymInt window_right, float scale, bool return_lse) "
-           "-> (Tensor, Tensor)", _kvcache_fake)
-def _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_left, window_right, scale, return_lse):
-    """A compiled graph's call: the eager path, ``(o, lse)`` (lse empty without ``return_lse``)."""
+           "Tensor? v, Tensor? block_table, SymInt window_left, SymInt window_right, float scale, bool return_lse, "
+           "float k_scale_value, float v_scale_value, Tensor? k_scale, Tensor? v_scale) -> (Tensor, Tensor)",
+           _kvcache_fake)
+def _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_left, window_right, scale, return_lse,
+                k_scale_value, v_scale_value, k_scale, v_scale):
+    """A compiled graph's call: the eager path, ``(o, lse)`` (lse empty without ``return_lse``). An FP8 cache's
+    scales come as tensors, or as the float values (1.0 for other caches)."""
     capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
+    fp8 = k_cache.dtype == FP8_CACHE
+    k_scale = k_scale if k_scale is not None else k_scale_value if fp8 else None
+    v_scale = v_scale if v_scale is not None else v_scale_value if fp8 else None
     o, lse = _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_left, window_right, scale,
-                           return_lse, capacity)
+                           return_lse, capacity, k_scale, v_scale)
     return o.contiguous(), _kvcache_fake(q, *[None] * 9, False)[1] if lse is None else lse
 
 
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left: int, right: int, scale: float,
-                  return_lse: bool, capacity: int):
+                  return_lse: bool, capacity: int, k_scale=None, v_scale=None):
     """``(o, lse)`` of a call whose arguments are checked (``lse`` None without ``return_lse``): the index checks
     where they run, then the twin, or the append and the attention kernels."""
     reference = backend_for(q) == "reference"
@@ -237,17 +307,18 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left: i
     if reference:
         o, lse = twin.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                                              causal=False, softmax_scale=scale, window_size=(left, right),
-                                             return_lse=True)
+                                             return_lse=True, k_scale=k_scale, v_scale=v_scale)
         return o, (lse if q.dtype == torch.float64 else lse.float()) if return_lse else None
     new_tokens = 0 if k is None else k.shape[2]
     if new_tokens and q.shape[0] and k.shape[1]:
-        _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity)
-    if interpreter_needs_fp32(q):  # the interpreter's dot cannot take bf16 tiles: fp32, rounded once at the end
+        _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity, k_scale, v_scale)
+    if interpreter_needs_fp32(q) or (INTERPRETER and k_cache.dtype == FP8_CACHE):
+        # the interpreter's dot cannot take bf16 tiles (nor widen FP8 ones to them): fp32, rounded once at the end
         o, lse = _attend(q.float(), k_cache.float(), v_cache.float(), cache_seqlens, new_tokens, block_table, left,
-                         right, scale, return_lse, capacity)
+                         right, scale, return_lse, capacity, k_scale=k_scale, v_scale=v_scale)
         return o.to(q.dtype), lse
     return _attend(q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, left, right, scale, return_lse,
-                   capacity)
+                   capacity, k_scale=k_scale, v_scale=v_scale)
 
 
 #: int32 zeros per device, never written: the cache lengths of a dense call through the decode kernel
@@ -280,7 +351,8 @@ _PER_STEP_INTS = ("new_tokens", "capacity", "stride_kb", "stride_kh", "stride_vb
 
 
 def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, left: int, right: int, scale: float,
-            return_lse: bool, capacity: int, o: torch.Tensor | None = None, replay: bool = False):
+            return_lse: bool, capacity: int, o: torch.Tensor | None = None, replay: bool = False, k_scale=None,
+            v_scale=None):
     """The attention kernel over the cache (the new tokens appended already): ``(o, lse)``. ``replay``: the launch is
     recorded once per signature and replayed (a dense decode call of a contiguous cache, see
     :data:`_DENSE_DECODE_CALLS`)."""
@@ -296,6 +368,7 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
     multiprocessors = multiprocessor_count(q.device.index or 0) if q.is_cuda else 4
     paged = block_table is not None
     plan = configs.decode_plan(batch, kv_heads, rows, d, q.dtype, capacity, paged, multiprocessors)
+    scale_args, scale_flags = _scale_args(k_scale, v_scale)
     bd = configs.block_d(d)
     table = block_table if paged else cache_seqlens
     split = plan.splits > 1
@@ -313,10 +386,10 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
             table.stride(0) if paged else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride(),
             *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
             kv_heads, group, sq, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
-            scale * 1.4426950408889634, left, right, plan.splits,
+            scale * 1.4426950408889634, left, right, plan.splits, *scale_args,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd,
-            DOT_PRECISION=_precision(q.dtype), num_warps=plan.num_warps, num_stages=plan.num_stages,
+            DOT_PRECISION=_precision(q.dtype), **scale_flags, num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
 
     if not (replay and not paged and prepared_launches_enabled()):
