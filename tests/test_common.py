@@ -406,12 +406,16 @@ def _plan_cases():
     """Calls of the ops that store checked plans (``kernels._common.eager``), small enough for the interpreter:
     name -> (run(*inputs, seed), inputs)."""
     from kernels.attention import flash_attention
-    from kernels.layernorm import add_dropout_norm
+    from kernels.dropout import dropout
+    from kernels.layernorm import add_dropout_norm, layer_norm, rms_norm
 
     def randn(*shape):
         return torch.randn(*shape, device=DEVICE)
 
     return {
+        "dropout": (lambda x, s: dropout(x, 0.25, seed=s), [randn(6, 32)]),
+        "layer_norm": (lambda x, w, b, s: layer_norm(x, (32,), w, b), [randn(3, 2, 32), randn(32), randn(32)]),
+        "rms_norm": (lambda x, w, s: rms_norm(x, 32, w), [randn(6, 32), randn(32)]),
         "add_dropout_norm": (lambda x, r, w, b, s: add_dropout_norm(x, r, w, b, dropout_p=0.25, seed=s),
                              [randn(6, 32), randn(6, 32), randn(32), randn(32)]),
         "add_dropout_norm rms": (lambda x, w, s: add_dropout_norm(x, None, w, kind="rms", eps=None, seed=s),
@@ -424,9 +428,11 @@ def _plan_cases():
 
 def _plan_caches():
     import kernels.attention.ops as attention_ops
+    import kernels.dropout.ops as dropout_ops
     import kernels.layernorm.ops as layernorm_ops
 
-    return [attention_ops._PLANS, layernorm_ops._ADD_DROPOUT_NORM_PLANS]
+    return [attention_ops._PLANS, layernorm_ops._ADD_DROPOUT_NORM_PLANS, layernorm_ops._NORM_PLANS,
+            dropout_ops._DROPOUT_PLANS]
 
 
 def test_checked_plans_give_what_the_checks_give(monkeypatch):
@@ -479,11 +485,36 @@ def test_a_stored_plan_leaves_no_argument_unchecked():
         with pytest.raises(ValueError, match="seed"):
             flash_attention(q, q, q, window_size=(1, 0), softmax_scale=1, dropout_p=0.5, seed=-1)
 
+    from kernels.dropout import dropout
+    from kernels.layernorm import layer_norm, rms_norm
+
+    for _ in range(2):
+        layer_norm(x, 32, w, eps=1)
+        rms_norm(x, [32], w)  # a list: no plan (not a dict key), checked every time
+        dropout(x, 0.5, seed=3)
+        with pytest.raises(TypeError, match="eps"):
+            layer_norm(x, 32, w, eps=True)
+        with pytest.raises(TypeError, match="normalized_shape"):
+            layer_norm(x, 32.0, w, eps=1)
+        with pytest.raises(ValueError, match="normalized_shape"):
+            rms_norm(x, [16], w[:16])
+        with pytest.raises(TypeError, match="p must"):
+            dropout(x, True, seed=3)
+        with pytest.raises(ValueError, match="seed"):
+            dropout(x, 0.5, seed=-1)
+        assert dropout(x, 0.5, training=False) is x and dropout(x, 0.0, seed=3) is x
+
     leaf = x.clone().requires_grad_(True)
+    autocast_dtypes = []
     for _ in range(2):
         assert add_dropout_norm(leaf, r, w)[0].grad_fn is not None
+        assert layer_norm(leaf, 32, w).grad_fn is not None and dropout(leaf, 0.5).grad_fn is not None
         with torch.no_grad():
             assert add_dropout_norm(leaf, r, w)[0].grad_fn is None
+            assert layer_norm(leaf, 32, w).grad_fn is None and dropout(leaf, 0.5).grad_fn is None
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):  # CUDA: in fp32, as torch's norm; CPU: untouched
+            autocast_dtypes.append(layer_norm(leaf.bfloat16(), 32, w.bfloat16()).dtype)
+    assert autocast_dtypes == [torch.float32 if DEVICE == "cuda" else torch.bfloat16] * 2
     # flags that are not plain bools take the checks (bool() per call) and give what the bools give
     for _ in range(2):
         assert torch.equal(flash_attention(q, q, q, causal=1), flash_attention(q, q, q, causal=True))

@@ -38,6 +38,7 @@ from kernels._common import (
     kernel_for,
     nothing_to_launch,
 )
+from kernels._common.eager import PlanCache, function_apply, plannable, plans_apply, tensor_key
 from kernels._common.opaque import opaque_op
 from kernels._common.seed import (
     Seed,
@@ -242,27 +243,54 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int
     ``x`` comes out as NaN wherever it is, as from ``torch.nn.functional.dropout``. The backward
     regenerates the mask from the seed: 0 bytes per element are saved.
     """
+    plans = plans_apply()
+    key = None
+    if plans and plannable(seed, training, inplace) and type(p) in (float, int):
+        key = (tensor_key(x), p, type(p), training, inplace, torch.is_grad_enabled())
+        plan = _DROPOUT_PLANS.get(key)
+        if plan is not None:
+            return _dropout_run(plan, x, seed, _apply_dropout)
     check_tensor("x", x)
     check_float_dtype("x", x, FLOAT_DTYPES)
     p = check_probability("p", p, allow_one=True)
     seed = check_seed("seed", seed)
-    if not training or p == 0.0:
-        return x
-    if p == 1.0:
-        # x * 0, as torch: zeros, except that NaN and +-Inf become NaN (a bad value is never hidden)
-        return x.mul_(0.0) if inplace else x * 0.0
+    if not training or p in (0.0, 1.0):
+        plan = (p if training else 0.0, bool(inplace), False)
+        _DROPOUT_PLANS.put(key, plan)
+        return _dropout_run(plan, x, seed, None)
     backend_for(x)  # a clear error for unsupported devices before any seed is drawn
-    seed = seed_for_call(seed, x.device)
     needs_grad = x.requires_grad and torch.is_grad_enabled()
     if torch.compiler.is_compiling():
-        op_seed = op_seed_args(seed)
+        op_seed = op_seed_args(seed_for_call(seed, x.device))
         if inplace and not needs_grad:
             torch.ops.fused_kernels.dropout_(x, p, *op_seed)
             return x
         out = torch.ops.fused_kernels.dropout(x, p, *op_seed)
-    elif inplace and not needs_grad:
+        return x.copy_(out) if inplace else out
+    plan = (p, bool(inplace), needs_grad)
+    _DROPOUT_PLANS.put(key, plan)
+    return _dropout_run(plan, x, seed, _apply_dropout if plans else _DropoutFunction.apply)
+
+
+#: checked eager calls (``kernels._common.eager``): plan key -> ``(p, inplace, needs_grad)``, p 0 when nothing is
+#: dropped (``training=False`` too)
+_DROPOUT_PLANS = PlanCache()
+_apply_dropout = function_apply(_DropoutFunction)
+
+
+def _dropout_run(plan: tuple, x: torch.Tensor, seed: int | None, apply) -> torch.Tensor:
+    """An eager dropout call with its checked arguments ``plan``: ``x`` itself for p = 0, ``x * 0`` for p = 1; else
+    the seed drawn (``seed=None``), then the kernel in place, or the autograd Function through ``apply``, or the
+    forward alone when no gradient is needed."""
+    p, inplace, needs_grad = plan
+    if p == 0.0:
+        return x
+    if p == 1.0:
+        # x * 0, as torch: zeros, except that NaN and +-Inf become NaN (a bad value is never hidden)
+        return x.mul_(0.0) if inplace else x * 0.0
+    seed = seed_for_call(seed, x.device)
+    if inplace and not needs_grad:
         _dropout_inplace_impl(x, p, seed)
         return x
-    else:
-        out = _DropoutFunction.apply(x, p, seed) if needs_grad else _dropout_impl(x, p, seed)
+    out = apply(x, p, seed) if needs_grad else _dropout_impl(x, p, seed)
     return x.copy_(out) if inplace else out

@@ -517,17 +517,55 @@ def _check(x, normalized_shape, weight, bias) -> tuple[tuple[int, ...], int]:
     return shape, math.prod(shape)
 
 
-def _norm(x, shape, n, weight, bias, eps, is_rms, deterministic):
-    eps = check_finite_number("eps", eps, minimum=0.0)
-    if not torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _NormFunction.apply(x, weight, bias, n, float(eps), is_rms, deterministic)
-    if not torch.compiler.is_compiling():  # inference: no autograd node, nothing saved
-        return _norm_fwd_impl(x, _flat(weight), _flat(bias), float(eps), is_rms, n=n)[0]
-    w = None if weight is None else weight.reshape(-1)
-    b = None if bias is None else bias.reshape(-1)
-    y = torch.ops.fused_kernels.norm_fwd(_rows_2d(x, n), w, b, float(eps), is_rms, deterministic)[0]
-    return y.reshape(x.shape)
+def _norm(x, normalized_shape, weight, bias, eps, is_rms: bool, deterministic):
+    """Both public norms: an eager call whose arguments a stored plan covers takes it (``kernels._common.eager``);
+    any other call is checked (``_check``), then runs, storing its plan."""
+    plans = plans_apply()
+    key = None
+    if plans and type(deterministic) is bool:
+        key = (tensor_key(x), normalized_shape, type(normalized_shape), tensor_key(weight), tensor_key(bias), eps,
+               type(eps), is_rms, deterministic, torch.is_grad_enabled(), autocast_key("cuda"))
+        plan = _NORM_PLANS.get(key)
+        if plan is not None:
+            return _norm_run(plan, x, weight, bias, _apply_norm)
+    op = "rms_norm" if is_rms else "layer_norm"
+    cast = autocast_dtype(op, x.device.type) if isinstance(x, torch.Tensor) else None
+    if cast is not None:
+        x, weight, bias = autocast_cast(op, x, weight, bias)
+    _, n = _check(x, normalized_shape, weight, bias)
+    eps = check_finite_number("eps", twin.rms_norm_eps(eps, x.dtype) if is_rms else eps, minimum=0.0)
+    deterministic = bool(deterministic)
+    if torch.compiler.is_compiling():
+        w = None if weight is None else weight.reshape(-1)
+        b = None if bias is None else bias.reshape(-1)
+        y = torch.ops.fused_kernels.norm_fwd(_rows_2d(x, n), w, b, eps, is_rms, deterministic)[0]
+        return y.reshape(x.shape)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    plan = (n, eps, is_rms, deterministic, needs_grad, cast)
+    _NORM_PLANS.put(key, plan)
+    return _norm_run((*plan[:5], None), x, weight, bias, _apply_norm if plans else _NormFunction.apply)
+
+
+#: checked eager calls of both norms (``kernels._common.eager``): plan key -> ``(n, eps, is_rms, deterministic,
+#: needs_grad, autocast dtype or None)``
+_NORM_PLANS = PlanCache()
+_apply_norm = function_apply(_NormFunction)
+
+
+def _autocast_to(dtype: torch.dtype, *tensors):
+    """Checked ``tensors`` cast to ``dtype`` as autocast casts a norm's inputs (float64 and None pass)."""
+    return tuple(t.to(dtype) if t is not None and t.dtype not in (dtype, torch.float64) else t for t in tensors)
+
+
+def _norm_run(plan: tuple, x, weight, bias, apply):
+    """An eager norm call with its checked arguments ``plan``: the autocast cast, then the autograd Function through
+    ``apply``, or the forward alone (no autograd node, nothing saved) when nothing needs a gradient."""
+    n, eps, is_rms, deterministic, needs_grad, cast = plan
+    if cast is not None:
+        x, weight, bias = _autocast_to(cast, x, weight, bias)
+    if needs_grad:
+        return apply(x, weight, bias, n, eps, is_rms, deterministic)
+    return _norm_fwd_impl(x, _flat(weight), _flat(bias), eps, is_rms, n=n)[0]
 
 
 def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
@@ -539,10 +577,7 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = 
     runs in fp32, as torch's does. ``deterministic=True`` makes dW
     and dB bitwise reproducible (one partial buffer per program instead of lock-shared buffers).
     """
-    if isinstance(x, torch.Tensor):
-        x, weight, bias = autocast_cast("layer_norm", x, weight, bias)
-    shape, n = _check(x, normalized_shape, weight, bias)
-    return _norm(x, shape, n, weight, bias, eps, False, deterministic)
+    return _norm(x, normalized_shape, weight, bias, eps, False, deterministic)
 
 
 def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None, eps: float | None = None, *,
@@ -555,10 +590,7 @@ def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = No
     Statistics in fp32; under ``torch.autocast`` on CUDA it runs in fp32, as torch's does.
     ``deterministic=True`` makes dW bitwise reproducible.
     """
-    if isinstance(x, torch.Tensor):
-        x, weight = autocast_cast("rms_norm", x, weight)
-    shape, n = _check(x, normalized_shape, weight, None)
-    return _norm(x, shape, n, weight, None, twin.rms_norm_eps(eps, x.dtype), True, deterministic)
+    return _norm(x, normalized_shape, weight, None, eps, True, deterministic)
 
 
 # --- residual + dropout + norm ---------------------------------------------------------------------------
