@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from kernels._common import check_float_dtype, check_tensor
-from kernels.attention.ops import _bwd_impl, _fwd_impl, _scale
+from kernels.attention.checks import resolve_scale
+from kernels.attention.ops import _bwd_impl, _fwd_impl
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -257,7 +258,7 @@ def context_parallel_attention(q, k, v, *, group=None, causal=False, softmax_sca
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     _check_shapes(q, k, v, group)
-    scale = _scale(softmax_scale, q.shape[3])
+    scale = resolve_scale(softmax_scale, q.shape[3])
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _RingAttention.apply(q, k, v, group, bool(causal), scale, layout)
     return _ring_forward(q, k, v, group, bool(causal), scale, layout)[0]

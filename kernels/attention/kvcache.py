@@ -38,7 +38,7 @@ from kernels._common.runtime import INTERPRETER
 from kernels._common.validate import indices_checked
 from kernels.attention import configs
 from kernels.attention._decode import _kvcache_append_kernel, _kvcache_attn_kernel
-from kernels.attention.ops import _precision, _scale, _window
+from kernels.attention.checks import LOG2E, check_heads, dot_precision, resolve_scale, window_edges
 
 #: new tokens per program of the append kernel
 _APPEND_TOKENS = 16
@@ -76,13 +76,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_
                          f"{list(v_cache.shape)}")
     batch, heads, _, d = q.shape
     kv_heads = k_cache.shape[1]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"q and k_cache must have the same head dim, got {d} and {k_cache.shape[3]}")
-    if not 1 <= d <= configs.MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be between 1 and {configs.MAX_HEAD_DIM}, got {d}")
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"the number of query heads ({heads}) must be a multiple of the number of key/value heads "
-                         f"({kv_heads})")
+    check_heads(heads, kv_heads, d, k_cache.shape[3], k_name="k_cache", empty_ok=False)
     _check_int32("cache_seqlens", cache_seqlens, 1)
     if cache_seqlens.shape[0] != batch:
         raise ValueError(f"cache_seqlens must have one length per sequence ({batch}), got {cache_seqlens.shape[0]}")
@@ -259,8 +253,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     on and a tensor that requires grad raises ``ValueError``.
     """
     capacity = _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_scale)
-    left, right = _window(window_size, bool(causal))
-    scale = _scale(softmax_scale, q.shape[3])
+    left, right = window_edges(window_size, bool(causal))
+    scale = resolve_scale(softmax_scale, q.shape[3])
     if torch.compiler.is_compiling():  # the lengths are known when the graph runs: the op reads and checks them then
         scale_values = [float(s) if s is not None and not isinstance(s, torch.Tensor) else 1.0
                         for s in (k_scale, v_scale)]
@@ -386,10 +380,10 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
             table.stride(0) if paged else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride(),
             *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
             kv_heads, group, sq, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
-            scale * 1.4426950408889634, left, right, plan.splits, *scale_args,
+            scale * LOG2E, left, right, plan.splits, *scale_args,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd,
-            DOT_PRECISION=_precision(q.dtype), **scale_flags, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            DOT_PRECISION=dot_precision(q.dtype), **scale_flags, num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
 
     if not (replay and not paged and prepared_launches_enabled()):

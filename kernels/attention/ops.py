@@ -16,8 +16,6 @@ Launch configurations (tiles, warps, stages, one or two backward launches) come 
 from __future__ import annotations
 
 import functools
-import math
-import operator
 
 import torch
 from torch.library import triton_op
@@ -28,7 +26,6 @@ from kernels._common import (
     autocast_cast,
     backend_for,
     cdiv,
-    check_finite_number,
     check_float_dtype,
     check_probability,
     check_same_device,
@@ -68,6 +65,7 @@ from kernels.attention._kernels import (
     _attn_bwd_preprocess_kernel,
     _attn_fwd_kernel,
 )
+from kernels.attention.checks import LOG2E, check_heads, dot_precision, resolve_scale, window_edges
 
 _KERNEL_NAMES = ("_attn_fwd_kernel", "_attn_bwd_kernel", "_attn_bwd_preprocess_kernel")
 
@@ -77,10 +75,6 @@ def kernels_from(module):
     ``kernels/attention/_kernels.py``, same signatures) instead of this checkout's: interleaved A/B timing of a
     kernel change in one process (``scripts/ab_kernels.py``)."""
     return swap_kernels(globals(), module, _KERNEL_NAMES)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _band(left: int, right: int) -> tuple[tuple[int, int], dict]:
@@ -142,8 +136,8 @@ def _launch_fwd(q, k, v, o, lse, left: int, right: int, scale: float, cfg: dict,
     drop_args, drop_flags = _drop_launch_args(drop, q, traceable)
     kernel_for(_attn_fwd_kernel, traceable=traceable)[grid](
         q, k, v, o, lse, *_seq_args(lse, varlen, traceable), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        hq, hq // hkv, sq, sk, d, scale * 1.4426950408889634, *band, *drop_args, **drop_flags,
-        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, **band_flags, **cfg,
+        hq, hq // hkv, sq, sk, d, scale * LOG2E, *band, *drop_args, **drop_flags,
+        DOT_PRECISION=dot_precision(q.dtype), VARLEN=varlen is not None, **band_flags, **cfg,
     )
 
 
@@ -257,7 +251,7 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     grid = (min(items, t.programs_per_sm * configs.sm_count(q.device)) if persistent else tiles_m * b * hq,)
     kernel_for(_hopper._attn_fwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, q_block), _descriptor(k, kv_block), _descriptor(v, kv_block), _descriptor(o, q_block),
-        lse, lse.stride(0), lse.stride(1), b, hq, hq // hkv, sq, sk, scale * 1.4426950408889634, *band, **band_flags,
+        lse, lse.stride(0), lse.stride(1), b, hq, hq // hkv, sq, sk, scale * LOG2E, *band, **band_flags,
         BLOCK_N=t.block_n, BLOCK_D=bd, STAGES=t.stages, CONSUMERS=t.consumers, CONSUMER_REGS=t.consumer_regs,
         PRODUCER_REGS=t.producer_regs, PERSISTENT=persistent, PAIRED=paired, O_IN_Q=t.o_in_q,
         D_SPLIT=_splits_96(t, bd, d), num_warps=4, maxnreg=t.maxnreg,
@@ -400,7 +394,7 @@ def _launch_bwd(do, q, k, v, lse, delta, dq, dk, dv, left: int, right: int, scal
         **band_flags, **drop_flags, DKDV=dkdv_cfg is not None, DQ=dq_cfg is not None,
         KV_BLOCK_M=kv_cfg["BLOCK_M"], KV_BLOCK_N=kv_cfg["BLOCK_N"], Q_BLOCK_M=q_cfg["BLOCK_M"],
         Q_BLOCK_N=q_cfg["BLOCK_N"], BLOCK_D=kv_cfg["BLOCK_D"], EVEN_D=kv_cfg["EVEN_D"],
-        DOT_PRECISION=_precision(q.dtype), VARLEN=varlen is not None, num_warps=kv_cfg["num_warps"],
+        DOT_PRECISION=dot_precision(q.dtype), VARLEN=varlen is not None, num_warps=kv_cfg["num_warps"],
         num_stages=kv_cfg["num_stages"],
     )
 
@@ -802,37 +796,7 @@ def _validate(q, k, v, *, packed: bool = False) -> None:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     heads, d, d_k = (q.shape[-2], q.shape[-1], k.shape[-1]) if packed else (q.shape[1], q.shape[3], k.shape[3])
     kv_heads = k.shape[-2] if packed else k.shape[1]
-    if d != d_k:
-        raise ValueError(f"q and k must have the same head dim, got {d} and {d_k}")
-    if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads != 0):
-        raise ValueError(f"the number of query heads ({heads}) must be a multiple of the number of "
-                         f"key/value heads ({kv_heads})")
-    if not 1 <= d <= configs.MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be between 1 and {configs.MAX_HEAD_DIM}, got {d}")
-
-
-def _scale(softmax_scale, head_dim: int) -> float:
-    """The score scale: ``softmax_scale`` (a finite number) or ``1 / sqrt(head_dim)``."""
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    return check_finite_number("softmax_scale", softmax_scale)
-
-
-def _window(window_size, causal: bool) -> tuple[int, int]:
-    """``(left, right)`` of the visible band, causal folded in (``right = 0``); -1 is unbounded."""
-    try:
-        left, right = window_size
-        if isinstance(left, bool) or isinstance(right, bool):
-            raise TypeError
-        # operator.index takes ints (numpy's too) and refuses floats: 2.7 must not become 2.
-        left, right = operator.index(left), operator.index(right)
-    except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {(left, right)}")
-    if causal:
-        right = 0
-    return left, right
+    check_heads(heads, kv_heads, d, d_k)
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, window_size=(-1, -1),
@@ -886,10 +850,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)
     _validate(q, k, v)
-    left, right = _window(window_size, bool(causal))
+    left, right = window_edges(window_size, bool(causal))
     dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
     seed = check_seed("seed", seed)
-    scale = _scale(softmax_scale, q.shape[3])
+    scale = resolve_scale(softmax_scale, q.shape[3])
     plan = (autocast_dtype("attention", q.device.type), left, right, scale, dropout_p, bool(deterministic))
     _PLANS.put(key, plan)
     o, lse = _run_plan(plan, q, k, v, seed, _apply if plans else _FlashAttentionFunction.apply)
@@ -983,9 +947,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    left, right = _window(window_size, bool(causal))
+    left, right = window_edges(window_size, bool(causal))
     dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
-    scale = _scale(softmax_scale, q.shape[2])
+    scale = resolve_scale(softmax_scale, q.shape[2])
     o, lse = _run(q, k, v, left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                   int(max_seqlen_k))
     return (o, lse) if return_lse else o
