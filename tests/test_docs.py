@@ -131,3 +131,13 @@ def test_the_suite_collects_from_a_copy_of_the_tree_that_is_not_a_git_checkout(t
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     summary = run.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"\d+ tests collected in [\d.]+s", summary), run.stdout[-2000:]
+
+
+def test_the_top_readme_is_a_short_reference_with_the_calls_first():
+    """The top-level README stays a reference a newcomer reads in minutes: at most 150 lines, a Python quick start
+    within its first 40 (what the project is, then how to call it); the details live in the family READMEs and
+    docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move the details to docs/ or a family README"
+    head = "\n".join(lines[:40])
+    assert "```python" in head and "import kernels" in head, "the quick start must come within the first 40 lines"

@@ -1,4 +1,4 @@
-"""Robustness across the three families: every bad input gets a clear error (the table in README.md is
+"""Robustness across the three families: every bad input gets a clear error (the table in docs/devices-and-inputs.md is
 this file's ``BAD_INPUTS``), every edge size works, NaN and Inf propagate as in torch, large scores do not
 overflow, the deterministic paths repeat bit for bit, and the sizes past 32-bit indexing work (CUDA)."""
 
@@ -34,7 +34,7 @@ def _ints(values):
     return torch.tensor(values, dtype=torch.int32, device=_BAD_INPUT_DEVICE[0])
 
 
-# --- bad inputs: one row of the README table each -------------------------------------------------------
+# --- bad inputs: one row of the docs table each ---------------------------------------------------------
 
 def _qkv(hq=4, hkv=2, sq=8, sk=8, d=16, dtype=torch.float32):
     return _randn(1, hq, sq, d, dtype=dtype), _randn(1, hkv, sk, d, dtype=dtype, seed=1), _randn(

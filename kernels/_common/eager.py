@@ -3,7 +3,7 @@
 A public op's eager call spends host time on Python that depends only on what its arguments are, not on their
 data: argument checks, the values derived from them (the window of an attention call, the norm's eps, the
 autocast dtype, whether an autograd node is needed). Inside a training step that Python costs 2-3x what it costs
-at a tiny size in isolation (the top-level README, "Host cost"), and torch's own ops do the same work in C++.
+at a tiny size in isolation (docs/host-cost.md), and torch's own ops do the same work in C++.
 
 So an op's first eager call with a given *plan key* runs the checks and stores what they derived (its *plan*),
 and later calls with the same key take the plan without checking again. The key holds everything the checks and

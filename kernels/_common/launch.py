@@ -22,7 +22,7 @@ call's tensor (its shape and strides are in the signature), its tensor map kept 
 Limits and the trade-off: a recording holds only tensors
 the op names (and :func:`fixed_tensor` placeholders), so a call that launches on a tensor made inside it (a copy) is
 never replayed; kernels must not specialise on the per-call ints (``do_not_specialize``); launch-table overrides and
-kernel swaps call :func:`forget_recorded_launches`. Measured: top-level README, "Host cost".
+kernel swaps call :func:`forget_recorded_launches`. Measured: docs/host-cost.md.
 """
 
 from __future__ import annotations
