@@ -109,11 +109,3 @@ def dropout(x: torch.Tensor, p: float, *, seed: int) -> torch.Tensor:
     factor = torch.where(keep, scale, torch.tensor(0.0, dtype=compute))
     return (x.to(compute) * factor).to(x.dtype)
 
-
-def dropout_with_mask(x: torch.Tensor, p: float, *, generator: torch.Generator | None = None):
-    """Classic dropout for contrast: draw a mask, keep it for backward (1 byte per element), return
-    ``(y, mask)``. The seeded version above stores nothing and redraws the mask from the seed."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"p must be in [0, 1), got {p}")
-    mask = torch.rand(x.shape, generator=generator, device=x.device) >= p
-    return x * mask / (1.0 - p), mask

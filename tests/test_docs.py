@@ -73,7 +73,10 @@ def _exists(span: str, doc: Path) -> bool:
     if _ignored(span):
         return True
     span = span.split("::")[0].split(":")[0].rstrip("/")
-    if any(ch in span for ch in "<>*"):  # a pattern such as results/<gpu>/ or test_*.py: its fixed prefix
+    placeholder = re.compile(r"<[^>]*>|\*|(?<![A-Za-z])[A-Z][A-Z_]+(?![A-Za-z])")  # <gpu>, *, NAME
+    if placeholder.search(span):  # a pattern such as results/<gpu>/ or test_*.py: a file it matches, or its prefix
+        if any(ROOT.glob(re.sub(r"\*+", "*", placeholder.sub("*", span)))):
+            return True
         prefix = re.split(r"[<>*]", span)[0].rstrip("/")
         return not prefix or (ROOT / prefix).exists() or (doc.parent / prefix).exists()
     if (ROOT / span).exists() or (doc.parent / span).exists():
@@ -141,3 +144,26 @@ def test_the_top_readme_is_a_short_reference_with_the_calls_first():
     assert len(lines) <= 150, f"README.md has {len(lines)} lines: move the details to docs/ or a family README"
     head = "\n".join(lines[:40])
     assert "```python" in head and "import kernels" in head, "the quick start must come within the first 40 lines"
+
+
+CODE_PATH = re.compile(r"(?<![\w/.])((?:kernels|reference|tests|benchmarks|scripts|examples|docs)/[\w./<>*-]*[\w>*])")
+SCRIPT_MODULE = re.compile(r"\bscripts\.([a-z_]+)\b")
+
+
+@pytest.mark.parametrize("source", _tracked("*.py"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_and_script_a_code_comment_mentions_exists(source):
+    """Comments and docstrings name files (records, tools, kernels) that exist: a removed probe script or a moved
+    record fails here."""
+    import io
+    import tokenize
+
+    text = []
+    for token in tokenize.generate_tokens(io.StringIO(source.read_text()).readline):
+        if token.type == tokenize.COMMENT or (token.type == tokenize.STRING and token.string.startswith(
+                ('"""', "'''", 'r"""'))):
+            text.append(token.string)
+    text = "\n".join(text)
+    missing = [span for span in CODE_PATH.findall(text) if not _exists(span.rstrip("."), source)]
+    missing += [f"scripts.{name}" for name in SCRIPT_MODULE.findall(text)
+                if not (ROOT / "scripts" / f"{name}.py").exists() and name not in ("py", "sh")]
+    assert not missing, f"{source.relative_to(ROOT)} mentions what is not in the repository: {sorted(set(missing))}"

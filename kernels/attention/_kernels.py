@@ -225,7 +225,8 @@ def _attn_fwd_inner(
 
 # Sq and Sk are not specialised: Triton 3.6 miscompiles the variant where both equal 1 (causal, head dims 80
 # and 96, BLOCK_D = 128 with (128, 64, 8 warps, 3 stages)): 14-16% of launches wrote a wrong log-sum-exp on
-# the H200 (scripts/stress_attention_fwd_shapes.py; none at any other length, none without the specialisation).
+# the H200 (record benchmarks/results/nvidia-h200/records/attention-race-2026-11-22.txt; none at any other
+# length, none without the specialisation).
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "seed_in_memory", "threshold", "Sq", "Sk"])
 def _attn_fwd_kernel(
     q_ptr,  # (B, Hq, Sq, D)

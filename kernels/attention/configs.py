@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from kernels._common.launch import cdiv, forget_recorded_launches
-from kernels._common.runtime import KERNEL_PATHS, forced_kernel_path, kernel_path
+from kernels._common.runtime import forced_kernel_path, kernel_path
 from kernels._common.runtime import is_hopper as is_hopper  # the attention family's name for it
 
 #: Head dims are padded to a power of two of at least 16; the kernels take up to 1024.
@@ -142,7 +142,6 @@ ROWS: tuple[Row, ...] = (
 #: ``portable`` never. Read at each call, so a test or a tool can set it with
 #: ``forced_path``.
 PATH_ENV = "FUSED_KERNELS_ATTENTION_PATH"
-PATHS = KERNEL_PATHS
 
 
 class HopperForwardTile(NamedTuple):
@@ -434,7 +433,7 @@ def sm_count(device: torch.device) -> int:
 
 
 def forced_path(name: str) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, calls take kernel path ``name`` (one of :data:`PATHS`)."""
+    """Inside the block, calls take kernel path ``name`` (one of ``kernels._common.runtime.KERNEL_PATHS``)."""
     return forced_kernel_path(PATH_ENV, name)
 
 

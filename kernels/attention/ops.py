@@ -767,7 +767,7 @@ def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return apply(q, k, v, args)
     # Nothing to differentiate: skip autograd.Function.apply, whose host cost is a sizeable part of a
-    # short forward's (scripts/probe_attention_bwd_fusion.py, section 1).
+    # short forward's (record benchmarks/results/nvidia-h200/records/attention-bwd-fusion-probe.txt, section 1).
     return _fwd_impl(q, k, v, left, right, scale, dropout_p, seed, _varlen(cu_q, cu_k, max_sq, max_sk))
 
 
