@@ -309,6 +309,7 @@ RATIO_PEERS: dict[str, tuple[str, ...]] = {
     "attention-decode": ("sdpa", "flex"),
     "attention-cp": ("torch-cp-flash", "torch-cp-cudnn"),
     "attention-decode-fp8": ("bf16-cache",),
+    "attention-decode-ragged": ("uniform",),
     "model": ("torch",),
     "transformers": ("sdpa", "sdpa+liger"),
     "host": ("torch",),

@@ -320,6 +320,54 @@ def _decode_sdpa_backend(q, k, v) -> str:
     return best[1]
 
 
+#: (B, Hq, Hkv, Sk, D) of the ragged decode table: each sequence holds a seeded random length in [Sk / 8, Sk]
+RAGGED_POINTS = [(8, 32, 8, 20000, 128), (8, 32, 8, 32768, 128), (32, 32, 8, 8192, 128), (64, 32, 8, 4096, 128),
+                 (16, 16, 1, 8192, 64)]
+
+
+def _ragged_lengths(b: int, sk: int) -> list[int]:
+    g = torch.Generator().manual_seed(b * 100003 + sk)
+    return torch.randint(sk // 8, sk + 1, (b,), generator=g).tolist()
+
+
+def _ragged_call(b, hq, hkv, sk, d, dtype, page: int, lengths: list[int]):
+    """One decode step of ours over caches holding ``lengths`` keys (pages of ``page`` positions scattered in random
+    order, or contiguous for 0), and the bytes of the keys and values it reads."""
+    from kernels.attention import flash_attention_with_kvcache
+
+    q = torch.randn(b, hq, 1, d, device=DEVICE, dtype=dtype)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    if page == 0:
+        k, v = (torch.randn(b, hkv, sk, d, device=DEVICE, dtype=dtype) for _ in range(2))
+        table = None
+    else:
+        per_seq = -(-sk // page)
+        k, v = (torch.randn(b * per_seq, hkv, page, d, device=DEVICE, dtype=dtype) for _ in range(2))
+        table = torch.randperm(b * per_seq, device=DEVICE).view(b, per_seq).to(torch.int32)
+    read = 2 * sum(lengths) * hkv * d * torch.finfo(dtype).bits // 8
+    return functools.partial(flash_attention_with_kvcache, q, k, v, seqlens, block_table=table), read
+
+
+@pytest.mark.parametrize("page", [0, 16, 256])
+@pytest.mark.parametrize(("b", "hq", "hkv", "sk", "d"), [(3, 4, 2, 64, 16)] if SMOKE else RAGGED_POINTS, ids=str)
+def test_attention_decode_ragged(recorder, b, hq, hkv, sk, d, page):
+    """One decode step of ours on a ragged batch (``lengths`` "ragged": each sequence a seeded random length between
+    Sk / 8 and Sk) against the same step with every sequence at the batch's mean length (provider ``uniform``: the
+    same total keys), device time by CUDA-graph replay. GB/s count the keys and values read (the lengths', not the
+    caches' capacity); the ratio to ``uniform`` is what the uneven lengths cost."""
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    lengths = _ragged_lengths(b, sk)
+    mean = round(sum(lengths) / b)
+    for provider, these in (("ours", lengths), ("uniform", [mean] * b)):
+        _, read = _ragged_call(b, hq, hkv, sk, d, dtype, page, these)
+        make = functools.partial(lambda t: _ragged_call(b, hq, hkv, sk, d, dtype, page, t)[0], these)
+        ms = graph_ms(make, touched_bytes=read)
+        recorder.add(family="attention-decode-ragged", provider=provider, direction="fwd", dtype=dtype,
+                     shape={"timing": "device", "B": b, "Hq": hq, "Hkv": hkv, "Sk": sk, "D": d, "block_size": page,
+                            "lengths": "ragged", "total_keys": sum(lengths)},
+                     ms=ms, x_key="Sk", bytes_moved=read)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize(("b", "hq", "hkv", "sk", "d"), [(2, 4, 2, 64, 16)] if SMOKE else DECODE_POINTS, ids=str)
 def test_attention_decode_fp8(recorder, b, hq, hkv, sk, d, paged):
