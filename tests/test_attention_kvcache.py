@@ -409,3 +409,34 @@ def test_bad_fp8_arguments_are_named(changes, error, words):
     changes = {name: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for name, t in changes.items()}
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v, **changes)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_balanced_splits_give_the_twins_result_on_ragged_batches(case, paged):
+    """Balanced splits (``DecodePlan.balanced``: each key/value head's programs cut the whole batch's key blocks into
+    splits of one size, read from the lengths on the GPU, and idle slots do nothing) on ragged batches, empty
+    sequences, windows and appends: the twin's output and log-sum-exp, and, for every split budget, the per-sequence
+    split's result."""
+    hq, hkv, sq, seqlens, s_max, d, causal, window, _ = case
+    dtype = torch.float32
+    q, k_cache, v_cache, seqlens_t, k, v = _inputs(hq, hkv, sq, seqlens, s_max, d, dtype)
+    table = None
+    if paged:
+        order = torch.randperm(len(seqlens) * s_max // 8, generator=torch.Generator().manual_seed(3)).tolist()
+        (k_cache, table), (v_cache, _) = (paged_cache(c, 8, order) for c in (k_cache, v_cache))
+    kw = {"causal": causal, "window_size": window, "block_table": table}
+    ref, ref_lse, _, _ = _twin(q, k_cache, v_cache, seqlens_t, k, v, **kw)
+    for splits in (2, 5):
+        results = []
+        for balanced in (False, True):
+            with configs.override_decode(lambda p, s=splits, bal=balanced: p._replace(splits=s, balanced=bal)):
+                results.append(flash_attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), seqlens_t, k=k, v=v,
+                                                            return_lse=True, **kw))
+        (out, _), (out_balanced, lse_balanced) = results
+        torch.testing.assert_close(out_balanced.double(), ref, rtol=0, atol=ATOL[dtype])
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isinf(lse_balanced), torch.isinf(ref_lse))
+        torch.testing.assert_close(lse_balanced[seen].double(), ref_lse[seen], rtol=0, atol=1e-4)
+        torch.testing.assert_close(out_balanced, out, rtol=0, atol=ATOL[dtype])
+        assert (out_balanced[~seen] == 0).all()

@@ -32,6 +32,12 @@ Paged caches (``PAGED``): position ``j`` of sequence ``b`` lives in page ``block
 than a key block). The page numbers are loads the K/V loads depend on: Triton's pipeliner puts them a stage ahead
 and keeps one K/V block in flight per program instead of two, so a paged launch runs two programs per SM.
 
+Balanced splits (``BALANCED``, ``configs.DECODE_BALANCED_SPLITS``; off until measured on a GPU): the grid is (key/value
+head, slot, row block) and each program reads every sequence's length (``_balanced_split``): the batch's key blocks
+are cut into splits of one size, at least one per sequence, numbered across the batch, and slot ``s`` takes split
+``s``; the slots past the last split idle. A ragged batch's long sequences then get more programs instead of every
+sequence the same number, with no plan kernel and no host synchronisation.
+
 FP8 caches: tiles are widened to q's dtype before their products; the K scale multiplies the softmax scale and the V
 scale the normalised output, per key/value head (a float argument, or read from memory).
 
@@ -204,19 +210,31 @@ def _kvcache_attn_kernel(
     Hkv, GROUP, Sq, new_tokens, D, block_size, capacity,
     scale_log2,  # softmax_scale * log2(e)
     LEFT, RIGHT,  # the band around query i's key position i + L - Sq (causal: RIGHT = 0)
-    SPLITS,  # key splits per (batch, key/value head)
+    SPLITS,  # key splits per (batch, key/value head); BALANCED: the key blocks' budget of splits per head
     k_scale, v_scale, k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # an FP8 cache's scales (else 1.0)
+    BATCH,  # sequences (BALANCED)
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
     STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, K_SCALE_IN_MEMORY: tl.constexpr,
-    V_SCALE_IN_MEMORY: tl.constexpr,
+    V_SCALE_IN_MEMORY: tl.constexpr, BALANCED: tl.constexpr = False, BLOCK_B: tl.constexpr = 1,
 ):
-    pid_bhk = tl.program_id(0)
-    split = tl.program_id(1)
     pid_r = tl.program_id(2)
-    b = pid_bhk // Hkv
-    hk = pid_bhk % Hkv
     ROWS = GROUP * Sq
+    if BALANCED:
+        # program (head, slot): the slots of each head cut the batch's key blocks into splits of one size, so that a
+        # ragged batch gives every program about the same keys (the slots past the batch's splits idle)
+        hk = tl.program_id(0)
+        b, split, SPLITS, first_slot, active = _balanced_split(seqlens_ptr, tl.program_id(1), BATCH, new_tokens,
+                                                               capacity, Sq, LEFT, SPLITS, HAS_LEFT, BLOCK_N, BLOCK_B)
+        pid_bhk = b * Hkv + hk
+        part_base = hk * tl.num_programs(1) + first_slot  # this sequence's partials: slots first_slot ...
+    else:
+        pid_bhk = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid_bhk // Hkv
+        hk = pid_bhk % Hkv
+        active = pid_r >= 0  # every program works
+        part_base = pid_bhk * SPLITS
     rows = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
     q_head = hk * GROUP + rows // Sq
     q_idx = rows % Sq
@@ -241,6 +259,8 @@ def _kvcache_attn_kernel(
     blocks_per_split = tl.cdiv(tl.cdiv(L - lo, BLOCK_N), SPLITS)
     start = tl.minimum(lo + split * blocks_per_split * BLOCK_N, L)
     end = tl.minimum(start + blocks_per_split * BLOCK_N, L)
+    if BALANCED:
+        end = tl.where(active, end, start)
     # key blocks every query sees whole: from the last query's left edge to the first query's right edge
     full_lo = start
     if HAS_LEFT:
@@ -280,18 +300,20 @@ def _kvcache_attn_kernel(
     safe_l = tl.where(seen, l_i, 1.0)
     o = tl.where(seen[:, None], acc / safe_l[:, None] * v_scale, 0.0)  # (times 1.0 exactly, but for FP8)
     lse = tl.where(seen, (m_i + tl.math.log2(safe_l)) * _LN2, float("-inf"))
-    row_ok = rows < ROWS
+    row_ok = (rows < ROWS) & active
     if SPLIT:
-        part = (pid_bhk * SPLITS + split).to(tl.int64) * ROWS + rows
+        part = (part_base + split).to(tl.int64) * ROWS + rows
         tl.store(o_part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=row_ok[:, None])
         tl.store(lse_part_ptr + part, lse, mask=row_ok)
         # The last split of this row block to finish combines them all: every thread's stores are done before the
-        # arrival is counted (release), and the combining program reads the others' after it (acquire).
+        # arrival is counted (release), and the combining program reads the others' after it (acquire). An idle
+        # program of a balanced launch counts nothing (it adds 0).
         tl.debug_barrier()
         arrival = pid_bhk * tl.num_programs(2) + pid_r
-        if tl.atomic_add(arrivals_ptr + arrival, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        arrived = tl.atomic_add(arrivals_ptr + arrival, active.to(tl.int32), sem="acq_rel", scope="gpu")
+        if active & (arrived == SPLITS - 1):
             tl.debug_barrier()
-            o, lse = _combine_splits(o_part_ptr, lse_part_ptr, (pid_bhk * SPLITS).to(tl.int64) * ROWS + rows,
+            o, lse = _combine_splits(o_part_ptr, lse_part_ptr, part_base.to(tl.int64) * ROWS + rows,
                                      ROWS, SPLITS, row_ok, offs_d, BLOCK_D)
             tl.atomic_xchg(arrivals_ptr + arrival, 0, sem="relaxed", scope="gpu")  # ready for the next call
             _store_rows(o, lse, o_ptr, lse_ptr, b, q_head, q_idx, row_ok, offs_d, D, stride_ob, stride_oh,
@@ -299,6 +321,35 @@ def _kvcache_attn_kernel(
     else:
         _store_rows(o, lse, o_ptr, lse_ptr, b, q_head, q_idx, row_ok, offs_d, D, stride_ob, stride_oh, stride_os,
                     stride_od, stride_lb, stride_lh, STORE_LSE)
+
+
+@triton.jit
+def _balanced_split(seqlens_ptr, slot, BATCH, new_tokens, capacity, Sq, LEFT, BUDGET, HAS_LEFT: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``(b, split, splits, first_slot, active)`` of program ``slot`` of a balanced launch: every sequence's visible
+    key blocks (``[lo, L)``, as the kernel computes them) are cut into splits of ``cdiv(total blocks, BUDGET)``
+    blocks (at least one split per sequence, so an empty one still writes its zeros), numbered across the batch;
+    ``slot`` is split ``split`` of sequence ``b``'s ``splits``, whose first is slot ``first_slot``. Slots past the
+    batch's last split are not ``active`` (they stand for sequence ``BATCH - 1`` and do nothing). Read from the
+    lengths on the GPU by every program: no plan kernel, no host synchronisation."""
+    offs_b = tl.arange(0, BLOCK_B)
+    in_batch = offs_b < BATCH
+    L = tl.minimum(tl.maximum(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0) + new_tokens, 0), capacity)
+    L = tl.where(in_batch, L, 0)
+    lo = tl.zeros_like(L)
+    if HAS_LEFT:
+        lo = tl.minimum(tl.maximum(L - Sq - LEFT, 0), L) // BLOCK_N * BLOCK_N
+    blocks = tl.cdiv(L - lo, BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(tl.sum(blocks, axis=0), BUDGET), 1)
+    splits = tl.where(in_batch, tl.maximum(tl.cdiv(blocks, per_split), 1), 0)
+    ends = tl.cumsum(splits, axis=0)
+    b = tl.sum((ends <= slot).to(tl.int32), axis=0)
+    active = b < BATCH
+    b = tl.minimum(b, BATCH - 1)
+    mine = offs_b == b
+    count = tl.sum(tl.where(mine, splits, 0), axis=0)
+    first_slot = tl.sum(tl.where(mine, ends, 0), axis=0) - count
+    return b, slot - first_slot, count, first_slot, active
 
 
 #: splits the combine takes per step, their loads issued together

@@ -546,6 +546,10 @@ DECODE_PROGRAMS_PER_SM = {False: 1, True: 2}
 #: results stay small beside its share of K and V
 DECODE_MIN_BLOCKS_PER_SPLIT = 4
 DECODE_MAX_SPLITS = 128
+#: Balanced splits for batches of several sequences: each key/value head's programs cut the whole batch's key blocks
+#: into splits of one size (read from the lengths on the GPU), instead of cutting each sequence into the same number
+#: of splits, so that a ragged batch's long sequences get more programs. Off until measured on a GPU.
+DECODE_BALANCED_SPLITS = False
 
 
 class DecodePlan(NamedTuple):
@@ -554,6 +558,7 @@ class DecodePlan(NamedTuple):
     num_warps: int
     num_stages: int
     splits: int  # key splits per (batch, key/value head); 1: nothing to combine
+    balanced: bool = False  # split the batch's keys evenly across its programs (DECODE_BALANCED_SPLITS)
 
 
 def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int, paged: bool,
@@ -574,7 +579,7 @@ def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtyp
     # a full cache gives each split cdiv(blocks, splits) blocks; the splits that would be left empty are dropped, as
     # they only lengthen the combine (33 splits of 256 blocks: the 33rd gets none)
     splits = cdiv(blocks, cdiv(blocks, splits)) if blocks else 1
-    return DecodePlan(row_tile, key_tile, 4, stages, splits)
+    return DecodePlan(row_tile, key_tile, 4, stages, splits, DECODE_BALANCED_SPLITS and splits > 1 and batch > 1)
 
 
 _decode_plan_cached = functools.lru_cache(maxsize=1024)(_decode_plan)

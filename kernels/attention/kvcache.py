@@ -13,6 +13,7 @@ count and cache strides.
 from __future__ import annotations
 
 import torch
+import triton
 
 import reference.attention as twin
 from kernels._common import (
@@ -367,23 +368,30 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
     table = block_table if paged else cache_seqlens
     split = plan.splits > 1
     row_blocks = cdiv(rows, plan.block_m)
+    # balanced: per key/value head, a budget of splits * B splits over the batch's keys, and up to B slots more (a
+    # sequence's splits round up); else splits per (sequence, key/value head)
+    balanced = split and plan.balanced
+    grid = (kv_heads, plan.splits * batch + batch, row_blocks) if balanced else (
+        batch * kv_heads, plan.splits, row_blocks)
     if split:
-        parts = batch * kv_heads * plan.splits * rows
+        parts = grid[0] * grid[1] * rows
         o_part = torch.empty((parts, bd), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((parts,), dtype=torch.float32, device=q.device)
         arrivals = _arrivals(q.device, batch * kv_heads * row_blocks)
     else:
         o_part = lse_part = arrivals = None
     def launch():
-        kernel_for(_kvcache_attn_kernel, traceable=False)[(batch * kv_heads, plan.splits, row_blocks)](
+        kernel_for(_kvcache_attn_kernel, traceable=False)[grid](
             q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens, table,
             table.stride(0) if paged else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride(),
             *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
             kv_heads, group, sq, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
-            scale * LOG2E, left, right, plan.splits, *scale_args,
+            scale * LOG2E, left, right, plan.splits * batch if balanced else plan.splits, *scale_args, batch,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd,
-            DOT_PRECISION=dot_precision(q.dtype), **scale_flags, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            DOT_PRECISION=dot_precision(q.dtype), **scale_flags, BALANCED=balanced,
+            BLOCK_B=triton.next_power_of_2(batch) if balanced else 1, num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
         )
 
     if not (replay and not paged and prepared_launches_enabled()):
