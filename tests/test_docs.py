@@ -62,8 +62,9 @@ def _file_names() -> frozenset[str]:
 def _ignored(span: str) -> bool:
     """Whether git ignores ``span`` (a folder the tools write, such as benchmarks/results/cpu-smoke/); outside a
     checkout, whether a path pattern of .gitignore names it."""
-    if (ROOT / ".git").exists():
-        return subprocess.run(["git", "check-ignore", "-q", span], cwd=ROOT).returncode == 0
+    if (ROOT / ".git").exists():  # a folder's pattern (name/) matches a path that is not there only as name/
+        return any(subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+                   for path in (span, span.rstrip("/") + "/"))
     patterns = [line.strip().lstrip("/") for line in (ROOT / ".gitignore").read_text().splitlines()
                 if "/" in line.strip().rstrip("/") and not line.startswith("#")]
     return any(span.rstrip("/") == pattern.rstrip("/") or span.startswith(pattern) for pattern in patterns)
