@@ -15,36 +15,24 @@ Implements ``reference.attention.attention_with_kvcache`` (read beside it) in tw
   writes its rows; with them (``SPLIT``) it writes them normalised, with their log-sum-exp, to fp32 partial
   buffers and counts itself in its row block's arrivals, and the last split to arrive combines them all
   (``_combine_splits``: ``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``; an empty split has
-  ``lse_s = -inf`` and weighs nothing) and resets the count for the next call. A combine kernel of its own
-  measured 0-5% slower (a launch and a dependency more, at B 1 and paged caches). The combine is the tail of a
-  small step (H100, B 1): 3.9 µs after the last split arrives at 16 splits, 10 µs at 32 (timed in the kernel with
-  ``%globaltimer``). The step with and without it differed by 4.6 and 10.1 µs while its loads went one split at a
-  time, by 3.1 and 9.3 µs with them unrolled 8 splits at a time; each unrolled step still waits about 2 µs on the
-  partials, and neither eviction hints (K/V loads first out, partials last) nor one 2-D load of every split
-  shortened it.
+  ``lse_s = -inf`` and weighs nothing) and resets the count for the next call (a combine kernel of its own
+  measured slower; the combine's timing: the family's TUNING.md).
 
-Masks: the band is the forward's, with ``Sk = L`` per sequence (queries align bottom-right): query ``i`` sees keys
-``i + L - Sq - LEFT <= j <= i + L - Sq + RIGHT`` (causal: ``RIGHT = 0``). Key blocks that every row sees whole
-load without a mask (``MASKED`` is a compile-time variant of one loop); the others mask per element.
+Masks: the forward's band with ``Sk = L`` per sequence (queries align bottom-right); key blocks every row sees whole
+load without a mask (``MASKED``, a compile-time variant of one loop).
 
-Paged caches (``PAGED``): position ``j`` of sequence ``b`` lives in page ``block_table[b, j // block_size]``, row
-``j % block_size``; each key row finds its page from the table, so any block size works (a page may be shorter
-than a key block). The page numbers are loads the K/V loads depend on: Triton's pipeliner puts them a stage ahead
-and keeps one K/V block in flight per program instead of two, so a paged launch runs two programs per SM.
+Paged caches (``PAGED``): each key row finds its page through ``block_table[b, j // block_size]`` (any page size);
+the page numbers are loads the K/V loads depend on, so a paged launch runs two programs per SM.
 
-Balanced splits (``BALANCED``, ``configs.DECODE_BALANCED_SPLITS``; off until measured on a GPU): the grid is (key/value
-head, slot, row block) and each program reads every sequence's length (``_balanced_split``): the batch's key blocks
-are cut into splits of one size, at least one per sequence, numbered across the batch, and slot ``s`` takes split
-``s``; the slots past the last split idle. A ragged batch's long sequences then get more programs instead of every
-sequence the same number, with no plan kernel and no host synchronisation.
+Balanced splits (``BALANCED``, off until measured on a GPU): grid (key/value head, slot, row block); every program
+reads the lengths (``_balanced_split``), cuts the batch's key blocks into splits of one size (at least one per
+sequence) and takes split ``slot``, so a ragged batch's long sequences get more programs; spare slots idle.
 
 FP8 caches: tiles are widened to q's dtype before their products; the K scale multiplies the softmax scale and the V
 scale the normalised output, per key/value head (a float argument, or read from memory).
 
-Limits: forward only, any head dim of the family (padded to a power of two inside the kernels), fp16/bf16/fp32 (and
-float8_e4m3fn caches).
-``cache_seqlens[b] + Sq_new`` is clamped to the cache's capacity (and at 0): lengths live on the device and are
-not checked on the host (that would wait for the GPU); block-table entries are not checked either.
+Limits: forward only, any head dim of the family (padded to a power of two), fp16/bf16/fp32 and float8_e4m3fn
+caches; ``cache_seqlens[b] + Sq_new`` is clamped to [0, capacity] on the device, block-table entries are not checked.
 
 Trade-offs: the split count is chosen on the host from the shapes (``configs.decode_plan``: programs to fill the
 GPU once, chunks of at least a few key blocks), never from the lengths, so a call needs no synchronisation and a

@@ -7,73 +7,30 @@ Implements the same forward as ``_attn_fwd_kernel`` (``kernels/attention/_kernel
 
 Schedule (one program = 64 query rows per consumer warpgroup, one, two or three consumers, of one (batch, query
 head)):
-- a **producer** warp issues TMA loads: each consumer's 64-row part of the Q tile once, then each K and V block
-  into a ring of ``STAGES`` shared-memory slots. Each slot has a "ready" mbarrier (the TMA transaction
-  count completes it) and an "empty" one (every consumer arrives once it has read it). K and V have
-  separate barriers so that Q K^T starts before V has landed.
-- the **consumer** warpgroups (the default partition and one or two workers) own 64 query rows each and run the
-  online softmax on their own rows; the warp scheduler interleaves them, so one's exp2 runs beside the
-  others' matmuls. Each walks the key blocks its own rows need (its own last block, its own unmasked interior)
-  and releases the program's later blocks unread; one whose rows all lie past Sq computes nothing.
-- inside a consumer, the softmax of block j overlaps the tensor cores: Q K_j^T is issued, then P_{j-1}
-  V_{j-1} is issued with P_{j-1} in registers (no shared-memory round trip), and only then does the warp
-  group wait for the first and compute exp2 on block j while the second still runs.
-- register budget (``configs.HOPPER_FORWARD``): the producer warpgroup (one warp working, Triton's register
-  reallocation works by warpgroups) gives its registers back (24 per thread)
-  and the consumers share the rest: at D 128 two consumers of 240 (two 64 x 128 fp32 accumulators, S and O, and
-  P), at D 64 three of 160 (S 64 x 128, O 64 x 64, P), because at D 64 two consumers leave the tensor cores
-  waiting on the softmax and a third warpgroup fills that time; at D 256 two of 240 with 64-key blocks (O 64 x 256
-  takes 128 registers).
-- shared memory: Q tiles, O staging tiles and the K/V ring. At D 256 a 64-key ring beside Q and O tiles would need
-  262 KB, so O is staged in the consumer's own Q tile (``O_IN_Q``), dead once the tile's last Q K^T is done; the
-  producer then loads the next tile's Q only once the O store has read it. 32-key blocks without that fit, but
-  read K and Q from shared memory as fast as the tensor cores consume them (measured 1.18-1.29x slower).
-- **persistent** (``PERSISTENT``, calls without a left band edge on every tile but D 64's three-consumer one): as
-  many programs per SM as fit (one; three of the one-consumer tile) take work items round robin; the K/V ring and
-  the barrier phases run on across tiles, a consumer releases its Q rows once its last Q K^T is done (the producer
-  loads the next tile's Q while it finishes; with ``O_IN_Q`` once O has left them). A static deal needs items of
-  equal cost: without a band every tile is one; under a causal mask (a right edge alone) an item is a head's i-th
-  longest and i-th shortest query blocks together (``PAIRED``), whose key blocks add up to the same count. Dealing
-  the causal tiles singly measured 0.55-0.85x one program per tile (the programs' work differed up to 2x and they
-  drifted apart onto different heads, out of each other's K/V in L2); the pairs measured 1.08-1.16x of it from S
-  1024 to 4096 (1.00x at 16384). A left edge makes tiles differ otherwise (one program per tile, balanced by the
-  hardware's dispatch). At D 64 the persistent loop's extra state spills three consumers of 160 registers (104
-  bytes; 204 paired), so D 64 runs three consumers one program per tile, except on shorter calls without a left edge
-  (full attention below 2048 queries, causal below 3072: ``configs.HOPPER_FORWARD_SHORT``), which take two
-  persistent consumers of 240 registers: there a program is too short for its prologue and epilogue to hide, and the
-  192-row tiles leave a 1024-row head's last tile a third full (1.01-1.08x three there). Shorter causal calls at D
-  64 (256-2047 queries and keys, ``configs.HOPPER_FORWARD_SHORT_CAUSAL``) take one consumer of 64 rows per program
-  and 64-key blocks under a cap of 80 registers (the consumer takes 136 from the producer's warpgroup), so that
-  three programs share an SM and the hardware interleaves them as it does a program's consumers: 1.02-1.05x the
-  portable kernel at B·S 16k tokens (0.99-1.03x at B4 H16 S 512), where the 128-row tiles trailed it (a 64-row
-  tile's walk is half as long, and its diagonal block the only masked one); persistent, three programs per SM
-  walking paired tiles, 1.04-1.20x one program per tile (0.99-1.00x where the pairs come 2.6 to a program). At D
-  128, causal calls below 1024 queries take 64-key blocks in three slots, whose diagonal blocks carry half the
-  masked work (1.06-1.17x the 128-key blocks there).
+- a **producer** warp TMA-loads each consumer's Q rows once, then each K and V block into a ring of ``STAGES``
+  shared-memory slots, each with a "ready" and an "empty" mbarrier (K and V apart, so Q K^T starts before V lands);
+- each **consumer** warpgroup runs the online softmax on its 64 rows over the key blocks they need: Q K_j^T is
+  issued, then P_{j-1} V_{j-1} with P in registers, and only then does it wait for the first, so exp2 of block j
+  runs beside the second; one whose rows all lie past Sq computes nothing;
+- registers (``configs.HOPPER_FORWARD``): the producer's warpgroup keeps 24 per thread; two consumers of 240 at
+  D 128 and at D 256 (64-key blocks, O staged in the consumer's own Q tile: ``O_IN_Q``), three of 160 at D 64;
+- **persistent** (``PERSISTENT``, no left band edge): programs take work items round robin, the ring and its barrier
+  phases running on across tiles; under a causal mask an item pairs a head's i-th longest and i-th shortest query
+  blocks (``PAIRED``), so that every item costs the same;
+- shorter calls take tiles of their own (``configs.HOPPER_FORWARD_SHORT``, ``configs.HOPPER_FORWARD_SHORT_CAUSAL``):
+  two persistent consumers at D 64, one consumer with three programs per SM for short causal D 64, 64-key blocks for
+  short causal D 128; head dims 65-96 (``D_SPLIT``) run the 128-column tiles over 64 + 32 columns.
 
-Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides
-and base address are 16-byte aligned (TMA), padded head dims 64, 128 and 256 (33-256; the TMA box pads with
-zeros and clips the store), no dropout, no packed batches (under torch.compile it runs inside an opaque op,
-``fused_kernels::flash_attn_fwd_gluon``). ``kernels.attention.ops.uses_hopper_forward`` says which calls come here
-(``configs.prefers_hopper_forward``: the default path takes grids from half a program per SM at D 128, every grid
-at D 256, and at D 64 grids of two tiles per SM or more from S 2048, full attention from S 1024, and causal calls
-on any grid where both lengths are 256-2047 (one consumer) or the queries 2048-3071 (the paired tile)); the backward
-has
-its own kernels (``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
+Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides and base
+address are 16-byte aligned (TMA), padded head dims 64, 128 and 256, no dropout, no packed batches (under
+torch.compile it runs inside the opaque op ``fused_kernels::flash_attn_fwd_gluon``).
+``kernels.attention.ops.uses_hopper_forward`` and ``configs.prefers_hopper_forward`` say which calls come here; the
+backward has its own kernels (``_hopper_bwd.py``; at head dim 256 ``_hopper_bwd_split.py``).
 
-Head dims 65-96 (``D_SPLIT``, ``split_96`` in ``configs.HOPPER_FORWARD``): their tiles are 128 columns wide (TMA
-fills the rest with zeros), and Q K^T and P V run over the 96 columns that count, as 64 + 32 column slices of the
-shared-memory tiles (a quarter less tensor work; O in 96 registers per thread, not 128): 1.03-1.09x the 128 columns
-at D 96 (H100, S 1024-4096, causal and not).
-
-Trade-offs: masks are applied at run time per key block (a uniform branch), so blocks crossing a band edge or the
-end of K pay for the compare-and-select and interior blocks do not; the registers of the two- and three-consumer
-tiles leave room for one program per SM, so without persistence a short program's prologue and epilogue run alone
-(why short causal and D 64 sequences and small grids stay on the portable kernel); no ping-pong barrier between the
-consumers (measured, ordered by mbarriers or by named barriers: no gain), and every exp2 on the special-function
-unit (moving part of them to a polynomial on the FMA pipe measured slower). Row maxima and sums go by column halves
-(a tree, not one dependent chain per row) only on the two-consumer D 64 tile without a band, the one tile where that
-measured faster (1.01-1.025x at B16 H32 S 1024-1536; other tiles -4% to +3%, run to run).
+Trade-offs: masks are applied at run time per key block (a uniform branch), so only blocks crossing a band edge or
+the end of K pay for them; the consumers' registers leave room for one program per SM, so without persistence a
+short program's prologue and epilogue run alone; no ping-pong barrier between the consumers and every exp2 on the
+special-function unit (both measured, not kept). The measurements behind each choice: the family's TUNING.md.
 """
 
 from triton.experimental import gluon

@@ -5,86 +5,33 @@ beside ``reference/attention.py``): dQ, dK, dV of softmax(Q K^T * scale) V for t
 ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (causal: RIGHT = 0), GQA/MQA, Sq != Sk, any (batch, head,
 sequence) strides. ``delta = rowsum(dO * O)`` comes from the portable preprocess kernel first.
 
-Schedule (one program = 128 keys of one (batch, key/value head); a causal grid of at most 2 programs per SM is
-key-block-major, so the longest programs, the first key blocks', start first: ``_key_program``,
-``configs.hopper_key_major``):
-- a **producer** warp loads K and V once (two 64-row halves each, by TMA), then for every query head of the GQA
-  group and every query block that sees these keys, the 64-row Q and dO tiles into a ring of ``STAGES``
-  shared-memory slots ("ready" mbarriers completed by the TMA byte count, an "empty" one both consumers arrive on),
-  and the block's log-sum-exp (base 2) and ``delta`` beside them: loaded by the consumers from global memory, their
-  latency sat twice per step on the critical path (1.36-1.52x slower at D 128 on an H100).
-- two **consumer** warpgroups own 64 keys each and accumulate their dK and dV in registers. Per query block, in the
-  transposed frame (keys are the wgmma M): ``S^T = K Q^T``, then ``P^T = exp2(S^T * scale * log2 e - lse * log2 e)``;
-  ``dP^T = V dO^T`` and ``dV += P^T dO`` are issued together (P^T as a register operand), then
-  ``dS^T = P^T (dP^T - delta)`` and ``dK += dS^T Q``. S^T retires before dP^T is issued so that the two 64 x 64 fp32
-  tiles are not live at once beside dK and dV (ptxas serialised the wgmmas for want of registers when they were).
-  That is 5 matmuls per tile pair, against 7 for the portable backward, which recomputes Q K^T and dO V^T in
-  separate dQ programs.
-- dQ: both consumers store their dS^T into one double-buffered tile (an mbarrier says both halves are in). At D 128
-  each computes half of dQ's columns over all 128 keys, ``dS K * scale``, in one wgmma (two of 32 columns each read
-  dS twice from shared memory and spilled: 1.11-1.17x slower). At D 64 the consumers take turns (``DQ_TURNS``): in
-  even steps the first computes all 64 columns, in odd steps the second, so one 64 x 64 wgmma reads dS once and the
-  other consumer does not wait for dS at all (1.06-1.19x against half the columns each); at D 128 a whole dQ tile
-  would cost 64 more registers per thread and 32 KiB more shared memory. dQ goes to shared memory as 32-column parts
-  and from there into the fp32 accumulator by TMA bulk reductions (``cp.reduce.async.bulk.tensor`` add, rows past Sq
-  skipped by the TMA unit), which the consumer issues and does not wait for: the next step's
-  ``tma.store_wait`` makes sure it has read its tile. Per-thread atomics from the accumulator layout were 1.02-1.11x
-  slower (H100, bf16, S 4096): the consumer issued 16 of them per thread and step and stalled on the load/store
-  queue. The preprocess kernel zeroed the accumulator beside ``delta``; one cast makes it dQ.
-- dropout (``DROPOUT``): the forward's keep mask ``Z``, drawn again, once per tile (the portable backward draws
-  it in its dK/dV and again in its dQ programs): ``dV += (P^T o Z / (1 - p)) dO``, ``dS^T = P^T (Z dP^T / (1 - p) -
-  delta)``. The producer is then a warpgroup and draws both consumers' masks of a query block into the ring slot
-  beside Q and dO (a "mask ready" barrier per slot), so the Philox rounds run beside the consumers' matmuls, not
-  between them (1.19-1.25x at D 128, 1.12x at D 64, H100). Each Philox call decides 16 elements that one thread
-  holds in the query-major accumulator layout, but in the transposed frame they sit in four threads of two warps,
-  so the tile is drawn query-major (two calls per thread and consumer, compared four bytes at a time by one
-  ``lop3`` sequence) and each consumer-frame thread's 32 decisions are packed into one 32-byte row (one byte
-  permute per four), which that thread reads back (two 16-byte loads). It turns each decision into a sign bit,
-  and one XOR per element negates the dropped elements of P^T / (1 - p) (the scale comes in with lse), so the mask
-  travels in P^T's sign past the dP^T wait and holds no registers there (as booleans selecting between two values
-  it made the D 128 consumer spill 488 bytes instead of 168). Drawing in the transposed frame instead would cost
-  four times the Philox work.
-- register budget: three warpgroups share 504 registers per thread. Without dropout the producer (one warp) gives
-  its registers back (24 per thread) and each consumer takes 240; with dropout the drawing producer keeps 40 at
-  D 128 and 56 at D 64, the consumers 232 and 224.
-
-Gluon 3.6's ``tma`` module has loads and stores but no reduction; ``_tma_reduce_add`` below builds it from the
-operation Triton 3.6 defines (``ttng.async_tma_reduce``, through the Gluon builder).
+Schedule (one program = 128 keys of one (batch, key/value head), walking every query block of every query head of its
+GQA group that sees them; small causal grids run key-block-major: ``_key_program``, ``configs.hopper_key_major``):
+- a **producer** warp loads K and V once, then the 64-row Q and dO tiles into a ring of ``STAGES`` slots ("ready"
+  and "empty" mbarriers), with the block's log-sum-exp (base 2) and ``delta`` beside them;
+- two **consumer** warpgroups own 64 keys each, dK and dV in registers; in the transposed frame (keys are the wgmma
+  M): ``S^T = K Q^T``, ``P^T = exp2(...)``, ``dP^T = V dO^T`` and ``dV += P^T dO`` together, ``dS^T = P^T (dP^T -
+  delta)``, ``dK += dS^T Q``: 5 matmuls per tile pair against the portable backward's 7;
+- **dQ**: both consumers store dS^T into one double-buffered tile; at D 128 each computes half of dQ's columns over
+  all 128 keys, at D 64 they take turns (``DQ_TURNS``); dQ goes out as 32-column parts by TMA bulk reductions
+  (``_tma_reduce_add``, built from Triton 3.6's ``ttng.async_tma_reduce``: Gluon's ``tma`` has none) into an fp32
+  accumulator the preprocess zeroed, which one cast makes dQ; ``WRITE_DQ`` False leaves dQ to ``_hopper_bwd_dq.py``;
+- **dropout** (``DROPOUT``): the producer is a warpgroup and draws both consumers' keep masks of a query block into
+  the ring slot beside Q and dO, query-major, packed one 32-byte row per consumer thread; the consumer carries each
+  decision in P^T's sign bit past the dP^T wait;
+- registers: three warpgroups share 504 per thread: producer 24 and consumers 240 each; with dropout 40 / 232 at
+  D 128 and 56 / 224 at D 64; head dims 65-96 (``D_SPLIT``) run the 128-column tiles over 64 + 32 columns.
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place (head dim contiguous, other strides
 and the base 16-byte aligned), padded head dims 64 and 128 (256 has ``_hopper_bwd_split.py``), no packed batches
-(under torch.compile it runs inside an opaque op, ``fused_kernels::flash_attn_bwd_gluon``).
-``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
+(under torch.compile it runs inside the opaque op ``fused_kernels::flash_attn_bwd_gluon``).
+``kernels.attention.ops.uses_hopper_backward`` and ``configs.prefers_hopper_backward`` say which calls come here.
 
-Speed: on an H100 (bf16 and fp16, public calls) without dropout 1.14-1.22x the portable backward at D 128 from Sk 512
-on (1.05x causal at S 512) and 1.02-1.15x at D 64 from S 1024 on (0.99-1.03x causal at S 1024); on the benchmark
-table 0.93-1.00x cuDNN at D 128 and 0.99-1.06x at D 64. With
-dropout 0.1 1.08-1.51x the portable backward (D 128 from S 512, D 64 from S 1024; taken before the producer drew the
-masks) and 1.00-1.13x cuDNN at S 4096. The default path takes it from those lengths on
-(``configs.prefers_hopper_backward``). Each consumer waits on every wgmma it issues, so nothing overlaps the softmax
-inside a warpgroup; issuing dP^T before P^T is computed (0.95-1.02x), computing dQ one query block late so that the
-consumers need not wait on each other (0.95-1.00x), dQ by turns at D 128 as two 64-column products (0.85-0.91x;
-ptxas spilled 344 bytes), a branch that skips the query blocks none of a consumer's keys see (0.93-1.00x) and
-issuing the next block's S^T before the dQ product (0.86-0.98x at D 64-96; spills at D 128) were measured and not
-kept. At D 128 the consumer spills 72 bytes without dropout and 168 with.
-
-Head dims 65-96 (``D_SPLIT``, ``split_96`` in ``configs.HOPPER_BACKWARD``): their tiles are 128 columns wide (TMA
-fills the rest with zeros), and every product runs over the 96 columns that count, as 64 + 32 column slices of the
-shared-memory tiles: a quarter less tensor work, and dK and dV take 96 registers per thread instead of 128 (no
-spills, with dropout none either). dQ's columns: the first consumer 0-63, the second 64-95. At D 96 forward +
-backward run 1.10-1.15x the whole 128-column tile (H100, bf16, S 1024-4096, causal and not).
-
-``WRITE_DQ`` False leaves dQ out (no dS tile, no dQ products or reductions): dQ then comes from
-``_hopper_bwd_dq.py``, a kernel of its own, which is how ``deterministic=True`` calls run at head dim 128 (1.06-1.19x
-the portable backward; as the default the two kernels ran 0.90-1.06x this one, and 0.85-0.90x at head dim 64).
-
-Trade-offs: dQ is a sum of fp32 reductions in arrival order, so it is not bitwise reproducible run to run
-(``deterministic=True`` takes the two kernels above at head dim 128, the portable backward at 64); the accumulator
-costs ``B * Hq * Sq * D * 4`` bytes, written once as zeros and read once by the cast. Query blocks that cross a band
-edge, or programs whose keys run past Sk, apply the mask at run time per block (a uniform branch); the band is taken
-for the whole 128-key program, so a consumer may compute a block that its own 64 keys do not see (it masks to
-zero). Before a consumer overwrites its K half with dK at the end, both consumers say they are done reading K (the
-other's last dQ products read it).
+Trade-offs: dQ is a sum of fp32 reductions in arrival order, not bitwise reproducible (``deterministic=True`` takes
+this kernel without dQ and the dQ kernel at head dim 128, the portable backward at 64); the accumulator costs
+``B * Hq * Sq * D * 4`` bytes; each consumer waits on every wgmma it issues, so nothing overlaps the softmax inside a
+warpgroup; the band is taken per 128-key program, so a consumer may compute a block its own keys do not see (masked
+to zero). The speed, and the levers measured and not kept: the family's TUNING.md.
 """
 
 from triton._C.libtriton import ir

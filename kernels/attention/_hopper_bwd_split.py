@@ -22,7 +22,6 @@ Schedule (one program = 64 keys of one (batch, key/value head)):
   fp32 is the 32 KiB of a 64 x 256 tile). A consumer hands the slot back to the producer one step later, after
   ``tma.store_wait`` says its reductions have read the staging, so the producer still loads a step ahead. A staging
   buffer of its own did not fit: K, V and two ring slots take 192 KiB of the 227.
-- shared memory: K and V 32 KiB each, Q and dO 32 KiB each per slot (two slots), P and dS 8 KiB each: 208 KiB.
 - two barriers per step between the consumers: ``tiles_ready`` (both halves of P and dS are stored) and
   ``tiles_read`` (both consumers' dV, dK and dQ products are done: the slot's Q and dO and the P and dS tiles are
   free). After the last step's ``tiles_read`` no one reads K or V any more, and each consumer writes its dK and dV
@@ -41,14 +40,8 @@ reproducible; the portable backward is); and with 64 keys per program every prog
 and dO (64 KiB) and writes 64 KiB of dQ per 64 keys, twice the traffic per FLOP of the 128-key programs at head
 dim 128.
 
-Measured (H100, bf16, kernel calls, 5 interleaved rounds): with its dQ it ran at 166-256 TFLOP/s, 1.14-1.20x the
-portable backward and 0.67-0.75x SDPA-cuDNN (B8 H16 S2048 causal 213 against 177 and 300). Writing dQ out was the
-limit: the same kernel without the reductions ran 1.40x faster, with plain TMA stores in their place only
-1.06-1.08x (the bytes, not L2's read-modify-write); it moved about 1.3 TB/s of dQ, as the head dim 128 kernel does
-at its speed. So the default runs it without dQ, then ``_hopper_bwd_dq.py``: together 1.38-1.50x the one kernel
-and 1.05-1.19x cuDNN from S 1024 on (B8 H16 S2048 causal 326 against 222 and 293). The one kernel stays for A/B
-(``configs.hopper_dq_kernel(dims=())``). The
-figures and variants are in the attention README ("The Hopper backward").
+The default runs it without dQ (``WRITE_DQ`` False), then ``_hopper_bwd_dq.py``: writing dQ out by reductions was
+its limit; the one kernel stays for A/B (``configs.hopper_dq_kernel(dims=())``). The figures: the family's TUNING.md.
 """
 
 from triton.experimental import gluon

@@ -1,69 +1,38 @@
-"""LayerNorm / RMSNorm of wide rows for Hopper (sm_90) in Gluon: a forward that reads each row from HBM once and holds
-it in shared memory (RMSNorm's), a forward that splits each row by columns (LayerNorm's, after the backward), and a
-split-row backward whose rows stream through a shared-memory ring.
+"""LayerNorm / RMSNorm of wide rows for Hopper (sm_90) in Gluon: a forward that holds each row in shared memory
+(RMSNorm's), a forward that splits each row by columns (LayerNorm's), and a split-row backward whose rows stream
+through a shared-memory ring. Each implements what its portable kernel in ``kernels/layernorm/_kernels.py`` does
+(read beside ``reference/layernorm.py``), which stays the readable version that other devices and the interpreter run.
 
-Implements the forward of ``_layer_norm_fwd_kernel`` (``kernels/layernorm/_kernels.py``, read beside
-``reference/layernorm.py``) for rows too wide for registers: y, the fp32 mean (LayerNorm) and 1/std of each row.
-The portable kernel's chunked path reads such a row twice, once for its statistics and once, from L2, to
-normalise it (0.57-0.76 of copy bandwidth at 40000-65536 bf16 elements on the H100); here the row stays in shared
-memory between the two.
+Shared-row forward (``_norm_fwd_shared_row_kernel``; persistent, one program per SM walking rows): a row's chunks of
+``CHUNK`` elements are copied by ``cp.async`` (one commit group each) into a ring of ``CHUNKS + EXTRA`` slots; the
+statistics accumulate as they land (RMSNorm sums squares; LayerNorm runs Welford's update per register slot, merged
+at the end: one pass over shared memory), then each chunk is normalised with the portable roundings, stored, and its
+slot refilled with the chunk one ring further on, so the next row streams in meanwhile. w and b of the first
+``RESIDENT`` chunks stay in shared memory; the rest come from L2 ``AHEAD`` chunks before their use.
 
-Schedule (persistent: one program per SM walking rows ``pid, pid + programs, ...``):
-- the program's chunks of ``CHUNK`` elements form one sequence, copied in order by asynchronous copies
-  (``cp.async``, one commit group per chunk) into a ring of ``CHUNKS + EXTRA`` shared-memory slots, so a wait
-  names how many later chunks may still be in flight. Each chunk written out frees its slot for the chunk
-  ``CHUNKS + EXTRA`` further on: the next row streams in while this one is written out, and with ``EXTRA`` slots
-  the one after starts while this row's statistics are computed.
-- statistics as the chunks land: RMSNorm sums squares; LayerNorm runs Welford's update per register slot across
-  the chunks (each slot sees one element per chunk) and merges the slots at the end (Chan, Golub and LeVeque), so
-  the statistics take one pass over shared memory, not a mean pass and a deviation pass (0.81 of copy against
-  0.77 for the two passes, LayerNorm 65536 on the H100).
-- the last pass normalises each chunk with the portable kernel's roundings (``(x - mean) * rstd``, then ``* w``,
-  then ``+ b``), stores it and refills its slot. w and b of the first ``RESIDENT`` chunks are copied into shared
-  memory once per program; the rest are read from L2 ``AHEAD`` chunks before their use.
-- a thread reads back exactly the elements its own copies wrote (the copy and the read use one register
-  layout); the compiler still places a barrier at each wait and before each refill.
+Split forward (``_norm_fwd_split_row_kernel``): program (column block of ``BLOCK_N``, lane) takes rows ``lane, lane
++ lanes, ...`` of its columns through a ring of ``RING`` slots, keeps its columns' w and b in shared memory, and
+publishes its share of a row's statistics (mean and sum of squared deviations, one relaxed 64-bit exchange:
+``_publish_stats``) ``PUBLISH_AHEAD`` rows before it normalises that row; every block merges the shares in one order,
+so a row's blocks use the same mean and rstd, and block 0 stores them.
 
-Limits: sm_90; 16-bit rows (a 65536-element fp32 row would not fit) of more than the register path's width and at
-most 14 slots of 8192 elements (``configs.hopper_forward``); x with a unit column stride whose row stride and
-address, and w's and b's addresses, are 16-byte multiples (each copy moves 16 bytes); eager calls only (under
-torch.compile the portable kernel is traced). ``kernels.layernorm.ops`` picks it; the portable chunked path is the
-readable version and the one every other device and the interpreter run.
+Backward (``_norm_bwd_split_row_kernel``, rows over 8192): the portable split-row kernel's grid and arithmetic, the
+rows copied into a ring so that a program publishes its share of a row's sums some rows before it finishes it; a
+block's two sums travel as one relaxed 64-bit exchange into a slot that reads all ones until then, polled by the
+finishing program (no fences); each row's mean and rstd come in the ring with the row. It takes the fused residual +
+dropout + norm backward too (``HAS_DRES``, ``STORE_DR``; ``DROPOUT``: the mask drawn again on each 4096-element chunk
+viewed as (4 runs, 1024 groups), one Philox call per four elements).
 
-Trade-off: one program per SM (a 128 KB row leaves no room for a second), so the gaps of its schedule (the
-statistics' reductions, the barriers at each chunk, w and b on the critical path of the last pass) are not covered
-by another program's work: LayerNorm with w and b at 65536 reaches 0.84-0.85 of copy, RMSNorm 0.93-0.95. LayerNorm
-therefore takes the split forward below; RMSNorm, whose spare shared memory holds extra ring slots, stays here.
+Limits: sm_90, eager calls (under torch.compile the portable kernels are traced); 16-bit rows (x, dy, the residual
+gradient) whose widths, row strides and addresses are 16-byte multiples; the forwards take rows of more than the
+register path's width up to 14 slots of 8192 elements (``configs.hopper_forward``), the backward rows over 8192, with
+dropout only widths of whole 4096-element chunks; the split kernels need every program resident at once (a
+cooperative launch). ``kernels.layernorm.ops`` picks them.
 
-Split forward (``_norm_fwd_split_row_kernel``, the same rows): the backward's grid turned to the forward. Program
-(column block of ``BLOCK_N``, lane) takes rows ``lane, lane + lanes, ...`` of its columns through a ring of ``RING``
-shared-memory slots, keeps its columns' w and b in shared memory for all its rows (so nothing but x crosses L2 once,
-where the row-per-program kernel reads the w and b that do not fit from L2 for every row), and publishes its share of
-a row's statistics ``PUBLISH_AHEAD`` rows before it normalises that row: LayerNorm the block's mean and sum of
-squared deviations, packed into one relaxed 64-bit exchange as the backward's sums (``_publish_stats``); every
-program merges the blocks' shares in the same order (Chan et al.), so all of a row's blocks normalise with the same
-mean and rstd, and block 0 stores them. Limits: those of the kernel above, and all programs resident at once (a
-cooperative launch; two per SM when the ring and w and b fit, else one). Trade-off: a row's statistics wait for its
-slowest block, hidden by publishing ahead; H100, bf16, M·N = 2^27: LayerNorm 1.03x / 1.09x / 1.16x the kernel above at
-N 40000 / 65536 / 100000 (0.90 of copy at 65536), RMSNorm 0.94x / 1.04x / 0.94x (not taken); with the shares read
-an iteration early, as the backward reads them, LayerNorm 1.02-1.07x that (0.92 of copy at 65536) and split RMSNorm
-0.99x / 1.04x / 1.04x the row-per-program kernel.
-
-Backward (``_norm_bwd_split_row_kernel``, rows over 8192): the portable split-row kernel's grid and arithmetic (a
-program per 4096-column block and lane of rows; the row sums of g and g * xhat exchanged between the blocks of a
-row), with rows copied asynchronously into a ring of slots so that a program publishes its share of a row some rows
-before it finishes that row, and a handshake without fences: a block's two sums travel as one relaxed 64-bit
-exchange into a slot that reads all ones until then, and the finishing program polls the row's slots. Nothing in an
-iteration waits on an L2 round trip unless a block runs behind: each row's mean and rstd arrive in the ring with the
-row, and the shares of the row an iteration finishes are read one iteration before. It also takes
-the fused residual + dropout + norm backward (``HAS_DRES``, ``STORE_DR``: the residual stream's gradient travels in the
-ring beside x and dy; ``DROPOUT``: dx masked with the forward's mask, drawn again in the kernel on the chunk viewed as
-(4 runs, 1024 groups), one Philox call per four elements, then moved into the row's layout). Limits: 16-bit x, dy
-and residual gradient, widths and row strides multiples of 16 bytes, with dropout widths that are whole dropout chunks
-(4096 elements: each column block one chunk), all programs resident at once (a cooperative launch, as the portable
-kernel's; registers capped at 128 so that two fit per SM). 0.91-0.94 of copy at N 16384-65536 on the H100 (the
-benchmark's sweep), against 0.58-0.65 for the portable kernel; the fused op's backward at N = 16384 0.91-0.93
-without dropout (0.69-0.75 portable) and 0.82-0.91 with dropout 0.1 (0.64-0.67 portable, in two launches).
+Trade-offs: the shared-row forward runs one program per SM (a 128 KB row leaves no room for a second), so the gaps of
+its schedule are not covered by another program (why LayerNorm, which also reads w and b, takes the split forward);
+the split kernels wait for a row's slowest block, hidden by publishing ahead. Their measurements: the family's
+TUNING.md.
 """
 
 from triton.experimental import gluon
