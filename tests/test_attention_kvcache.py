@@ -242,6 +242,7 @@ def test_decode_plan_splits_from_the_gpu_and_the_shapes():
     assert configs.decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, False, 132).splits == 5  # 120 programs, not 144
     # paged: 2 per SM would be 33 splits, but 256 key blocks in chunks of 8 fill 32 of them: the empty one is dropped
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, True, 132).splits == 32
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132, fp8=True).splits == 32  # FP8: 2 per SM
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 30000, True, 132).splits == 30  # 235 blocks, 8 each
     wide = configs.decode_plan(1, 8, 4, 1024, torch.float32, 4096, False, 132)
     assert wide.block_n == 16 and wide.num_stages == 1 and wide.block_m == 16  # 128 KiB of K and V per stage
@@ -323,7 +324,7 @@ def _fp8_inputs(dtype, scales, *, paged: bool, seed=0):
               for c, s in ((k_cache, k_scale), (v_cache, v_scale))]
     table = None
     if paged:
-        order = torch.randperm(len(seqlens) * s_max // 8, generator=torch.Generator().manual_seed(seed)).tolist()
+        order = torch.randperm(len(seqlens) * (s_max // 8), generator=torch.Generator().manual_seed(seed)).tolist()
         (caches[0], table), (caches[1], _) = (paged_cache(c, 8, order) for c in caches)
     return q, caches[0], caches[1], seqlens_t, k, v, table
 
@@ -423,7 +424,7 @@ def test_balanced_splits_give_the_twins_result_on_ragged_batches(case, paged):
     q, k_cache, v_cache, seqlens_t, k, v = _inputs(hq, hkv, sq, seqlens, s_max, d, dtype)
     table = None
     if paged:
-        order = torch.randperm(len(seqlens) * s_max // 8, generator=torch.Generator().manual_seed(3)).tolist()
+        order = torch.randperm(len(seqlens) * (s_max // 8), generator=torch.Generator().manual_seed(3)).tolist()
         (k_cache, table), (v_cache, _) = (paged_cache(c, 8, order) for c in (k_cache, v_cache))
     kw = {"causal": causal, "window_size": window, "block_table": table}
     ref, ref_lse, _, _ = _twin(q, k_cache, v_cache, seqlens_t, k, v, **kw)

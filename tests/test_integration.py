@@ -93,6 +93,9 @@ def _opcheck_cases():
     def rand(*shape, grad=False):
         return torch.randn(*shape, generator=g).to(DEVICE).requires_grad_(grad)
 
+    def fp8(*shape):
+        return rand(*shape).to(torch.float8_e4m3fn)
+
     x, w, b = rand(8, 32, grad=True), rand(32, grad=True), rand(32, grad=True)
     mean, rstd = x.detach().mean(-1), x.detach().var(-1, unbiased=False).add(1e-5).rsqrt()
     q, k, v = (rand(1, 2, 40, 32, grad=True) for _ in range(3))
@@ -135,6 +138,14 @@ def _opcheck_cases():
         ("flash_attn_kvcache", (rand(2, 4, 1, 32), rand(2, 2, 16, 32), rand(2, 2, 16, 32),
                                 torch.tensor([3, 9], dtype=torch.int32, device=DEVICE), rand(2, 2, 1, 32),
                                 rand(2, 2, 1, 32), None, -1, 0, 0.2, True)),
+        # an FP8 cache: its scales as values, then as per-head tensors
+        ("flash_attn_kvcache", (rand(2, 4, 1, 32), fp8(2, 2, 16, 32), fp8(2, 2, 16, 32),
+                                torch.tensor([3, 9], dtype=torch.int32, device=DEVICE), rand(2, 2, 1, 32),
+                                rand(2, 2, 1, 32), None, -1, 0, 0.2, True, 0.5, 0.25)),
+        ("flash_attn_kvcache", (rand(2, 4, 1, 32), fp8(2, 2, 16, 32), fp8(2, 2, 16, 32),
+                                torch.tensor([3, 9], dtype=torch.int32, device=DEVICE), rand(2, 2, 1, 32),
+                                rand(2, 2, 1, 32), None, -1, 0, 0.2, False, 1.0, 1.0,
+                                torch.full((2,), 0.5, device=DEVICE), torch.full((2,), 0.25, device=DEVICE))),
     ]
 
 
@@ -146,7 +157,12 @@ def test_every_registered_op_passes_opcheck():
     registered = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fused_kernels::")}
     assert registered == {name for name, _ in cases}
     for name, args in cases:
-        torch.library.opcheck(getattr(torch.ops.fused_kernels, name).default, args)
+        # torch's schema checker compares an argument before and after with a multiplication that fp8 tensors
+        # lack, so an FP8 cache's call is checked without it (its fake, autograd and AOT dispatch still are)
+        fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic") if fp8 else None
+        kwargs = {} if utils is None else {"test_utils": utils}
+        torch.library.opcheck(getattr(torch.ops.fused_kernels, name).default, args, **kwargs)
 
 
 @pytest.mark.cuda

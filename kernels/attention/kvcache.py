@@ -277,10 +277,11 @@ def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_
 
 @opaque_op("flash_attn_kvcache", "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, "
            "Tensor? v, Tensor? block_table, SymInt window_left, SymInt window_right, float scale, bool return_lse, "
-           "float k_scale_value, float v_scale_value, Tensor? k_scale, Tensor? v_scale) -> (Tensor, Tensor)",
+           "float k_scale_value=1.0, float v_scale_value=1.0, Tensor? k_scale=None, Tensor? v_scale=None) "
+           "-> (Tensor, Tensor)",
            _kvcache_fake)
 def _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_left, window_right, scale, return_lse,
-                k_scale_value, v_scale_value, k_scale, v_scale):
+                k_scale_value=1.0, v_scale_value=1.0, k_scale=None, v_scale=None):
     """A compiled graph's call: the eager path, ``(o, lse)`` (lse empty without ``return_lse``). An FP8 cache's
     scales come as tensors, or as the float values (1.0 for other caches)."""
     capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
@@ -362,7 +363,8 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
     rows = group * sq
     multiprocessors = multiprocessor_count(q.device.index or 0) if q.is_cuda else 4
     paged = block_table is not None
-    plan = configs.decode_plan(batch, kv_heads, rows, d, q.dtype, capacity, paged, multiprocessors)
+    plan = configs.decode_plan(batch, kv_heads, rows, d, q.dtype, capacity, paged, multiprocessors,
+                               k_cache.dtype == FP8_CACHE)
     scale_args, scale_flags = _scale_args(k_scale, v_scale)
     bd = configs.block_d(d)
     table = block_table if paged else cache_seqlens
