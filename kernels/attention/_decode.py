@@ -24,12 +24,15 @@ load without a mask (``MASKED``, a compile-time variant of one loop).
 Paged caches (``PAGED``): each key row finds its page through ``block_table[b, j // block_size]`` (any page size);
 the page numbers are loads the K/V loads depend on, so a paged launch runs two programs per SM.
 
-Balanced splits (``BALANCED``, off until measured on a GPU): grid (key/value head, slot, row block); every program
-reads the lengths (``_balanced_split``), cuts the batch's key blocks into splits of one size (at least one per
-sequence) and takes split ``slot``, so a ragged batch's long sequences get more programs; spare slots idle.
+Balanced splits (``BALANCED``, off: measured no faster than per-sequence splits on ragged batches): grid (key/value
+head, slot, row block); every program reads the lengths (``_balanced_split``), cuts the batch's key blocks into splits
+of one size (at least one per sequence) and takes split ``slot``, so a ragged batch's long sequences get more
+programs; spare slots idle.
 
 FP8 caches: tiles are widened to q's dtype before their products; the K scale multiplies the softmax scale and the V
-scale the normalised output, per key/value head (a float argument, or read from memory).
+scale the normalised output, per key/value head (a float argument, or read from memory). The widening and the
+products, not memory, bound an FP8 step (~2.3e12 cache elements/s on H100 and H200), so its launch aims at two
+programs per SM, as a paged one does.
 
 Limits: forward only, any head dim of the family (padded to a power of two), fp16/bf16/fp32 and float8_e4m3fn
 caches; ``cache_seqlens[b] + Sq_new`` is clamped to [0, capacity] on the device, block-table entries are not checked.
