@@ -13,7 +13,9 @@
 #   SHARDS=16 (test processes side by side; tests marked big_memory run alone after them, with the first
 #   range), SHARD_RANGE=a:b (run only shards a..b-1 of SHARDS, to split a long suite over several runs:
 #   the attention suite takes 8-10 minutes on 16 shards), SKIP_TESTS=1,
-#   SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args, split on spaces: a -k expression with
+#   SHARD_TIMEOUT=seconds (each shard's limit, default 3000: a shard past it is killed and reported, so one
+#   stuck test does not hold the run; a test running over FAULTHANDLER_TIMEOUT, default 300 s, prints its stack into
+#   tests_all.log), SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args, split on spaces: a -k expression with
 #   spaces goes in PYTEST_ADDOPTS="-k 'a or b'" instead). FUSED_KERNELS_ATTENTION_PATH=hopper
 #   or =portable runs every attention call on that kernel path (default auto: see kernels/attention/README.md).
 # Exit status: non-zero when the tests or the benchmarks failed.
@@ -67,8 +69,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   pids=() ids=()
   for ((i = first; i < last; i++)); do
     # shellcheck disable=SC2086
-    FK_TEST_SHARD="$i/$shards" python3 -m pytest $tests_target -q -p no:cacheprovider -m "not big_memory" \
-      ${TEST_ARGS:-} > "$logs/tests-$i.log" 2>&1 &
+    FK_TEST_SHARD="$i/$shards" timeout "${SHARD_TIMEOUT:-3000}" python3 -m pytest $tests_target -q -p no:cacheprovider \
+      -m "not big_memory" -o faulthandler_timeout="${FAULTHANDLER_TIMEOUT:-300}" ${TEST_ARGS:-} \
+      > "$logs/tests-$i.log" 2>&1 &
     pids+=($!) ids+=("$i")
   done
   : > "$OUT/tests.log"
@@ -76,7 +79,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     wait "${pids[$j]}"
     rc=$?
     i=${ids[$j]}
-    { echo "== shard $i/$shards: exit $rc"; grep -E "^(FAILED|ERROR)|^E   |passed|failed" "$logs/tests-$i.log" | tail -n 30; } \
+    { echo "== shard $i/$shards: exit $rc$([ "$rc" = 124 ] && echo ' (killed at SHARD_TIMEOUT)')"; grep -E "^(FAILED|ERROR)|^E   |passed|failed" "$logs/tests-$i.log" | tail -n 30; } \
       | tee -a "$OUT/tests.log"
     [ "$rc" = 0 ] || [ "$rc" = 5 ] || status=1  # 5: nothing collected (no bf16 under the interpreter)
   done
