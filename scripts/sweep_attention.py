@@ -1,15 +1,25 @@
 # ruff: noqa: B023  (each lambda is timed immediately, inside the iteration that defines it)
 """Attention launch-tile sweep on the GPU, beside SDPA's flash and cuDNN backends in the same run, at the
-benchmark's points (B * S = 16k tokens, H * D = 2048).
+benchmark's points (B * S = 16k tokens, H * D = 2048); with ``--decode``, the KV-cache decode plan.
 
     python3 -m scripts.sweep_attention [--dtype float16] [--out sweep.jsonl] [--dims 64,128] [--seqs 1024,4096]
         [--fwd-only] [--fwd-configs "128,64,8,3;64,64,4,3"] [--dkdv-configs ...] [--dq-configs ...] [--window 1024]
+    python3 -m scripts.sweep_attention --decode [--caches bf16,fp8,bf16-paged,fp8-paged] [--ragged]
+        [--decode-points "1,32,8,32768,128;64,32,8,8192,128"] [--decode-plans "num_warps=8;splits*2"] [--rounds 3]
 
 For every point, times the public forward with each candidate forward tile, and the public backward (as
 two launches) with each candidate dK/dV tile and each dQ tile, the other kernels at their table tiles
 (``kernels.attention.configs.override``). Prints the best tile per kernel, the TFLOP/s of forward and of
 the backward with both best tiles, against SDPA-flash and cuDNN. Tiles that do not fit (shared memory,
 registers) are reported and skipped. What it finds goes into ``configs.ROWS`` and the family's TUNING.md.
+
+``--decode`` times one decode step (Sq 1) of ``flash_attention_with_kvcache`` at each point (B, Hq, Hkv, Sk, D; the
+benchmark's ``DECODE_POINTS`` by default) for each cache (16-bit or FP8, contiguous or in pages of 16; ``--ragged``:
+the benchmark's ragged lengths) under the table's plan and under each plan of ``--decode-plans``: ``;``-separated
+changes of ``configs.DecodePlan`` fields (``block_n=64,num_stages=2``, ``splits*2``, ``splits/2``,
+``balanced=1``), applied through ``configs.override_decode``. Device time by CUDA-graph replay (inputs cycled past
+L2), the variants interleaved over ``--rounds`` rounds; prints µs, GB/s of the cache read and each plan's speed-up
+over the table's, and an FP8 cache's over the 16-bit cache's table plan (tokens/s).
 """
 
 from __future__ import annotations
@@ -82,9 +92,80 @@ def _configs(text: str, default: list[tuple[int, ...]]) -> list[tuple[int, ...]]
     return [tuple(int(x) for x in c.split(",")) for c in text.split(";")] if text else default
 
 
+def _decode_plan_change(spec: str):
+    """A ``--decode-plans`` entry as a function of the table's ``configs.DecodePlan``: ``field=N`` sets a field,
+    ``splits*N`` and ``splits/N`` scale the split count (at least 1)."""
+    changes = [part.strip() for part in spec.split(",") if part.strip()]
+
+    def adjust(plan):
+        for change in changes:
+            if change.startswith("splits*") or change.startswith("splits/"):
+                factor = int(change[7:])
+                splits = plan.splits * factor if change[6] == "*" else plan.splits // factor
+                plan = plan._replace(splits=max(1, splits))
+            else:
+                field, value = change.split("=")
+                plan = plan._replace(**{field: type(getattr(plan, field))(int(value))})
+        return plan
+
+    return adjust
+
+
+def decode_main(args) -> None:
+    from benchmarks import bench_attention as bench_points
+    from benchmarks._harness import graph_ms
+
+    points = ([tuple(int(x) for x in p.split(",")) for p in args.decode_points.split(";")] if args.decode_points
+              else bench_points.DECODE_POINTS)
+    plans = {"table": lambda plan: plan}
+    plans.update({spec: _decode_plan_change(spec) for spec in args.decode_plans.split(";") if spec.strip()})
+    dtype = getattr(torch, args.dtype)
+    caches = [c.strip() for c in args.caches.split(",")]
+    if args.ragged:
+        caches = [c for c in caches if not c.startswith("fp8")] or ["bf16"]  # the ragged points are 16-bit
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "interpreter (timings mean nothing)"
+    print(device, torch.__version__, args.dtype, "ragged" if args.ragged else "uniform", flush=True)
+    for b, hq, hkv, sk, d in points:
+        for cache in caches:
+            fp8, paged = cache.startswith("fp8"), cache.endswith("-paged")
+
+            def make(fp8: bool, paged=paged, b=b, hq=hq, hkv=hkv, sk=sk, d=d):
+                """``(call, bytes of the cache it reads)`` of one decode step on inputs of its own."""
+                if args.ragged:
+                    page = bench_points.DECODE_PAGE if paged else 0
+                    return bench_points._ragged_call(b, hq, hkv, sk, d, dtype, page,
+                                                     bench_points._ragged_lengths(b, sk))
+                return bench_points._decode_call("ours", b, hq, hkv, sk, d, dtype, paged, fp8)
+
+            # (plan change, FP8 cache) per variant; an FP8 cache is also timed as a 16-bit one under the table
+            variants = {name: (adjust, fp8) for name, adjust in plans.items()}
+            if fp8:
+                variants["16-bit cache, table"] = (plans["table"], False)
+            read = {kind: make(kind)[1] for kind in {fp8, False}}
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(args.rounds):
+                for name, (adjust, narrow) in variants.items():
+                    try:
+                        with configs.override_decode(adjust):
+                            times[name].append(graph_ms(lambda: make(narrow)[0], touched_bytes=read[narrow]))
+                    except Exception as err:  # a plan that does not fit: report once, go on
+                        if not times[name]:
+                            print(f"  {name}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+                        times[name].append(math.nan)
+            medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+            base = medians["table"]
+            print(f"B {b} Hq {hq} Hkv {hkv} Sk {sk} D {d} {cache}:")
+            for name, ms in medians.items():
+                gbps = read[variants[name][1]] / ms / 1e6
+                print(f"  {name:28s} {ms * 1e3:9.1f} us {gbps:7.0f} GB/s  table/this {base / ms:5.2f}x", flush=True)
+            if fp8:
+                print(f"  FP8 cache against the 16-bit cache, table plans: "
+                      f"{medians['16-bit cache, table'] / base:.2f}x tokens/s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--dtype", default=None, help="float16 (bfloat16 with --decode)")
     parser.add_argument("--out", default="sweep_attention.jsonl")
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--seqs", default="1024,4096,16384")
@@ -96,7 +177,19 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=-1,
                         help="causal sliding window: each query sees itself and this many keys before it "
                              "(only the causal points run); SDPA rows then show full causal attention")
+    parser.add_argument("--decode", action="store_true", help="sweep the KV-cache decode plan instead")
+    parser.add_argument("--caches", default="bf16,fp8", help="decode caches: bf16, fp8, bf16-paged, fp8-paged")
+    parser.add_argument("--ragged", action="store_true", help="decode: the ragged benchmark's lengths (16-bit)")
+    parser.add_argument("--decode-points", default="", help='decode points "B,HQ,HKV,SK,D;..."')
+    parser.add_argument("--decode-plans", default="num_warps=8;splits*2;splits/2;num_stages=2",
+                        help="decode plan changes to time beside the table's, ';'-separated")
+    parser.add_argument("--rounds", type=int, default=3, help="decode: interleaved rounds")
     args = parser.parse_args()
+    if args.decode:
+        args.dtype = args.dtype or "bfloat16"
+        decode_main(args)
+        return
+    args.dtype = args.dtype or "float16"
     dtype = getattr(torch, args.dtype)
     fwd_configs = _configs(args.fwd_configs, FWD)
     dkdv_configs = _configs(args.dkdv_configs, DKDV)

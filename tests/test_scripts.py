@@ -77,3 +77,18 @@ def test_ab_kernels_variants_set_what_they_name_and_restore_it():
     }
     assert (configs.path(), configs.HOPPER_BACKWARD[128], configs.HOPPER_FORWARD[64],
             configs.hopper_tables_version) == before
+
+
+def test_sweep_attention_decode_plan_changes_set_the_fields_they_name():
+    """``--decode-plans`` entries of ``scripts.sweep_attention``: ``field=N`` sets a field of the table's
+    ``DecodePlan`` (as its type), ``splits*N`` and ``splits/N`` scale the split count, never below 1."""
+    from kernels.attention import configs
+    from scripts import sweep_attention
+
+    table = configs.DecodePlan(16, 128, 4, 3, 5)
+    assert sweep_attention._decode_plan_change("num_warps=8,block_n=64")(table) == table._replace(num_warps=8,
+                                                                                                   block_n=64)
+    assert sweep_attention._decode_plan_change("splits*2")(table).splits == 10
+    assert sweep_attention._decode_plan_change("splits/2")(table).splits == 2
+    assert sweep_attention._decode_plan_change("splits/8")(table).splits == 1
+    assert sweep_attention._decode_plan_change("balanced=1")(table).balanced is True
