@@ -28,15 +28,23 @@ PROVIDERS = ["ours", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex"]
 ROUNDS = 1 if SMOKE else int(os.environ.get("FUSED_KERNELS_BENCH_ROUNDS", "3"))
 
 
+#: (B, Hq, Hkv, S, D) the table adds to its grid: grouped-query attention as current LLMs run it (4-8 query heads per
+#: K/V head), and short sequences with many heads (BERT-style encoders, short-context training)
+GQA_POINTS = [(2, 32, 8, 4096, 128), (4, 32, 4, 2048, 128), (1, 64, 8, 8192, 128), (2, 28, 4, 4096, 128),
+              (8, 16, 2, 2048, 64)]
+SHORT_POINTS = [(64, 12, 12, 512, 64), (64, 16, 16, 512, 64), (32, 32, 8, 1024, 128)]
+
+
 def _points():
+    """(B, Hq, Hkv, S, D, dtype): the grid (B·S = 16k tokens, H·D = 2048), then the GQA and short-sequence rows."""
     if SMOKE:
-        return [(2, 2, 32, 16, torch.float32)]
-    return [(16384 // s, 2048 // d, s, d, dt) for dt in (torch.float16, torch.bfloat16) for d in (64, 128)
-            for s in (1024, 4096, 16384)]
+        return [(2, 2, 2, 32, 16, torch.float32), (1, 4, 2, 32, 16, torch.float32)]
+    grid = [(16384 // s, 2048 // d, 2048 // d, s, d) for d in (64, 128) for s in (1024, 4096, 16384)]
+    return [(*point, dt) for dt in (torch.float16, torch.bfloat16) for point in grid + GQA_POINTS + SHORT_POINTS]
 
 
 @functools.cache
-def _flex(s: int, causal: bool, window: int = -1):
+def _flex(s: int, causal: bool, window: int = -1, enable_gqa: bool = False):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     # One static compile per shape (benchmarks/conftest.py raises dynamo's recompile limit: past it dynamo
@@ -49,30 +57,34 @@ def _flex(s: int, causal: bool, window: int = -1):
     else:
         mask = None
     compiled = torch.compile(flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, block_mask=mask)
+    return lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
 
 
-def _provider_fn(provider: str, s: int, causal: bool):
+def _provider_fn(provider: str, s: int, causal: bool, gqa: bool = False):
+    """One provider's call; with ``gqa`` the peers take K/V with fewer heads natively (``enable_gqa=True``)."""
     if provider == "ours":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
     if SMOKE:
         pytest.skip(f"{provider} needs a GPU")
     if provider == "flex":
-        return _flex(s, causal)
-    return sdpa_attention(provider, causal)
+        return _flex(s, causal, enable_gqa=gqa)
+    return sdpa_attention(provider, causal, enable_gqa=gqa)
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(("b", "h", "s", "d", "dtype"), _points(), ids=lambda v: str(v).replace("torch.", ""))
-def test_attention(measure_interleaved, b, h, s, d, dtype, causal, direction):
-    """Every provider at one point of the TARGETS table, timed in ROUNDS alternating rounds (median each)."""
-    q, k, v = (torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for _ in range(3))
+@pytest.mark.parametrize(("b", "h", "hkv", "s", "d", "dtype"), _points(),
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_attention(measure_interleaved, b, h, hkv, s, d, dtype, causal, direction):
+    """Every provider at one point of the table (H query heads, Hkv key/value heads), timed in ROUNDS alternating
+    rounds (median each). FLOPs count the query heads: 4·B·H·S²·D, half of it causal."""
+    q = torch.randn(b, h, s, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype) for _ in range(2))
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * (2.5 if direction == "bwd" else 1.0)
     runners = {}
     for provider in PROVIDERS:
         try:
-            fn = _provider_fn(provider, s, causal)
+            fn = _provider_fn(provider, s, causal, gqa=hkv != h)
             run, grad_to_none, _ = _runner(fn, q, k, v, direction, flops)
         except pytest.skip.Exception:
             continue
@@ -81,7 +93,7 @@ def test_attention(measure_interleaved, b, h, s, d, dtype, causal, direction):
             continue
         runners[provider] = (run, grad_to_none)
     measure_interleaved(runners, rounds=ROUNDS, family="attention", direction=direction, dtype=dtype,
-                        shape={"B": b, "H": h, "S": s, "D": d, "causal": causal}, x_key="S", flops=flops)
+                        shape={"B": b, "H": h, "Hkv": hkv, "S": s, "D": d, "causal": causal}, x_key="S", flops=flops)
 
 
 #: (B, Hq, Hkv, Sq, Sk, D, causal, layout): shapes a user meets outside the target grid. "bshd": q, k, v are
