@@ -35,12 +35,14 @@ def _worker(rank: int, world: int, init_file: str) -> None:
 
     backend, device = _backend_and_device(rank, world)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    # bf16: the ring rounds each block's partial output and gradient to bf16 before its fp32 merge, the whole
-    # call rounds once; relative to the values (dV sums up to S rows) as torch's bf16 default, plus an absolute
-    # floor for values near 0
-    atol, rtol = (2e-2, 1.6e-2) if dtype == torch.bfloat16 else (2e-5, 0.0)
-    for causal, layout, hkv in CASES:
+    # CPUs run fp32, then one bf16 case (the last hop of a shard's gradient travels in the inputs' dtype); GPUs bf16
+    runs = [(torch.bfloat16, case) for case in CASES] if device.type == "cuda" else (
+        [(torch.float32, case) for case in CASES] + [(torch.bfloat16, CASES[0])])
+    for dtype, (causal, layout, hkv) in runs:
+        # bf16: the ring rounds each block's partial output and gradient to bf16 before its fp32 merge, the whole
+        # call rounds once; relative to the values (dV sums up to S rows) as torch's bf16 default, plus an absolute
+        # floor for values near 0
+        atol, rtol = (2e-2, 1.6e-2) if dtype == torch.bfloat16 else (2e-5, 0.0)
         g = torch.Generator().manual_seed(7)  # the same whole tensors on every rank
         seq = 8 * world if device.type == "cpu" else 1024 * world
         d = 16 if device.type == "cpu" else 128
@@ -54,7 +56,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             assert torch.equal(unshard_sequence(shard.detach(), 2, layout=layout), t.detach())
         out = context_parallel_attention(*shards, causal=causal, layout=layout)
         local_grads = torch.autograd.grad(out, shards, shard_sequence(do, 2, layout=layout))
-        label = f"rank {rank}/{world} causal={causal} {layout} Hkv={hkv}"
+        label = f"rank {rank}/{world} {dtype} causal={causal} {layout} Hkv={hkv}"
         torch.testing.assert_close(unshard_sequence(out.detach(), 2, layout=layout), expected.detach(),
                                    rtol=rtol, atol=atol, msg=lambda m, label=label: f"{label}: output\n{m}")
         for name, ours, whole in zip(("dq", "dk", "dv"), local_grads, grads, strict=True):

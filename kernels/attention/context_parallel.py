@@ -21,7 +21,7 @@ The backward runs the ring again: each rank computes its queries' gradient again
 next shard coming in meanwhile), with the merged log-sum-exp and output (so each block's gradients are its exact
 share). The fp32 dK/dV of a shard follow it one step behind: a rank adds its share to the sum the shard's earlier
 holders sent during this step's compute and sends it on during the next one; the last hop, back to the shard's
-owner, is the only transfer not hidden behind compute.
+owner, is the only transfer not hidden behind compute, and carries the finished sum already in k's dtype.
 
 Limits: dense (B, H, S_local, D) shards, GQA/MQA, causal or full (no windows, no dropout); fp16/bf16/fp32 on GPUs
 (NCCL), fp32 and any float on CPUs (gloo, the Triton interpreter or the twin). One collective per forward checks that
@@ -209,7 +209,10 @@ def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layou
         if step > 0:
             dkv += received
         if world > 1:
-            sending, received = dkv, torch.empty_like(dkv)
+            # the last hop carries a finished sum home, where it is rounded to k's dtype: rounded before it leaves,
+            # it arrives the same and moves half the bytes of fp32 (bf16, fp16) on the one hop no compute hides
+            sending = dkv.to(k.dtype) if step == world - 1 and k.element_size() < dkv.element_size() else dkv
+            received = torch.empty_like(sending)
             grad_requests = _exchange(sending, received, next_rank, previous_rank, group, _GRAD_TAG)
         for request in kv_requests:
             request.wait()
