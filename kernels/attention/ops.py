@@ -16,6 +16,7 @@ Launch configurations (tiles, warps, stages, one or two backward launches) come 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch.library import triton_op
@@ -506,7 +507,8 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
         return o.to(q.dtype), lse
     if traceable and uses_hopper_forward(q, k, v, dropout_p, varlen, traced=True, left=left, right=right):
         return torch.ops.fused_kernels.flash_attn_fwd_gluon(q, k, v, left, right, scale)
-    b, hq = _dims(q, k, varlen)[:2]
+    dims = _dims(q, k, varlen)
+    b, hq = dims[:2]
     o = _empty_output(q)
     if varlen is None and dropout_p == 0.0 and not traceable and configs.decode_shaped(q.shape[2], k.shape[2]) \
             and q.numel() and k.shape[1]:
@@ -520,16 +522,19 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
         return o, lse
     signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable)
     launch_or_replay(_FORWARD_CALLS, signature, (q, k, v, o, lse, _seed_tensor(seed)),
-                     lambda: _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable),
+                     lambda: _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable,
+                                           dims),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
     return o, lse
 
 
-def _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable) -> None:
+def _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable, dims) -> None:
+    """The forward's launches: the Hopper kernel where it takes the call, else the portable one (``dims``: the
+    call's ``_dims``)."""
     if not traceable and uses_hopper_forward(q, k, v, dropout_p, varlen, left=left, right=right):
         _launch_fwd_hopper(q, k, v, o, lse, left, right, scale)
         return
-    _, _, _, sq, _, d = _dims(q, k, varlen)
+    _, _, _, sq, _, d = dims
     cfg = configs.launch_config("fwd", d, q.dtype, left, right, sq, dropout=dropout_p > 0)
     _launch_fwd(q, k, v, o, lse, left, right, scale, cfg, _dropout_args(dropout_p, seed), varlen, traceable=traceable)
 
@@ -539,7 +544,8 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     """``(dq, dk, dv)``, laid out as q and k (``_output_strides``; dv as dk, whose strides the portable kernel shares
     with it). Eager dense calls replay recorded launches (as
     ``_fwd_impl``)."""
-    b, _, _, _, _, d = _dims(q, k, varlen)
+    dims = _dims(q, k, varlen)
+    b, d = dims[0], dims[5]
     if not lse.is_contiguous():  # the kernels index delta, allocated contiguous below, with lse's strides
         lse = lse.contiguous()
     too_wide_for_fp32 = q.dtype == torch.float32 and configs.block_d(d) > configs.FP32_MAX_KERNEL_BWD_DIM
@@ -583,7 +589,7 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     dq = _empty_output(q)
     launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq, dk, dv, _seed_tensor(seed)),
                      lambda: _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed,
-                                           varlen, traceable),
+                                           varlen, traceable, dims),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
     return dq, dk, dv
 
@@ -616,11 +622,12 @@ def _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right
 
 
 def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed, varlen,
-                  traceable) -> None:
-    """The portable backward: ``delta``, then dK/dV and dQ programs in one launch or two."""
+                  traceable, dims) -> None:
+    """The portable backward: ``delta``, then dK/dV and dQ programs in one launch or two (``dims``: the call's
+    ``_dims``)."""
     _launch_bwd_preprocess(o, do, delta, varlen, traceable=traceable)
     drop = _dropout_args(dropout_p, seed)
-    _, _, _, sq, _, d = _dims(q, k, varlen)
+    _, _, _, sq, _, d = dims
     dkdv_cfg, dq_cfg = (configs.launch_config(kernel, d, q.dtype, left, right, sq, dropout=dropout_p > 0)
                         for kernel in ("dkdv", "dq"))
     if configs.fuse_backward(dkdv_cfg, dq_cfg):
@@ -758,25 +765,36 @@ def _backward(ctx, do, _dlse):
 flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _run(q, k, v, left, right, scale, dropout_p, seed, cu_q=None, cu_k=None, max_sq=0, max_sk=0,
-         deterministic=False, apply=_FlashAttentionFunction.apply):
-    args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk, deterministic)
+class _AttentionPlan(NamedTuple):
+    """A call's checked arguments (``kernels._common.eager``): all that ``_attend`` needs besides the tensors and
+    the seed. Stored per call signature for dense calls; packed calls make one per call."""
+    cast_dtype: torch.dtype | None  # autocast's dtype for the call, None outside autocast
+    left: int  # the band: keys p - left .. p + right of query position p (-1: unbounded)
+    right: int
+    scale: float
+    dropout_p: float
+    deterministic: bool
+
+
+def _attend(plan: _AttentionPlan, q, k, v, seed: Seed | None, varlen=None, apply=None):
+    """``(o, lse)`` of a call with checked arguments ``plan``: q, k, v cast as autocast casts them (a no-op where
+    they already are), the seed drawn (``None`` with dropout: from torch's generator), then the forward, through
+    autograd when a gradient is needed (``apply``: the checked plan's lighter entry, or the Function's ``apply``),
+    as the registered op under torch.compile, else directly."""
+    if plan.cast_dtype is not None and q.dtype != plan.cast_dtype:
+        q, k, v = autocast_cast("attention", q, k, v)
+    seed = seed_for_call(seed, q.device) if plan.dropout_p > 0 else 0
+    left, right, scale, dropout_p = plan.left, plan.right, plan.scale, plan.dropout_p
+    cu_q, cu_k, max_sq, max_sk = varlen if varlen is not None else (None, None, 0, 0)
     if torch.compiler.is_compiling():
         return torch.ops.fused_kernels.flash_attn_fwd(q, k, v, left, right, scale, dropout_p, *op_seed_args(seed),
-                                                      cu_q, cu_k, max_sq, max_sk, deterministic)
+                                                      cu_q, cu_k, max_sq, max_sk, plan.deterministic)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return apply(q, k, v, args)
+        args = (left, right, scale, dropout_p, seed, cu_q, cu_k, max_sq, max_sk, plan.deterministic)
+        return (apply or _apply)(q, k, v, args)
     # Nothing to differentiate: skip autograd.Function.apply, whose host cost is a sizeable part of a
     # short forward's (record benchmarks/results/nvidia-h200/records/attention-bwd-fusion-probe.txt, section 1).
-    return _fwd_impl(q, k, v, left, right, scale, dropout_p, seed, _varlen(cu_q, cu_k, max_sq, max_sk))
-
-
-def _resolve_dropout(dropout_p, seed, device) -> tuple[float, Seed]:
-    """Checked ``dropout_p`` and the seed of this call (``seed_for_call``: drawn when None)."""
-    dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
-    if dropout_p == 0.0:
-        return 0.0, 0
-    return dropout_p, seed_for_call(check_seed("seed", seed), device)
+    return _fwd_impl(q, k, v, left, right, scale, dropout_p, seed, varlen)
 
 
 def _validate(q, k, v, *, packed: bool = False) -> None:
@@ -845,7 +863,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
         key = _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, deterministic)
         plan = _PLANS.get(key)
         if plan is not None:
-            o, lse = _run_plan(plan, q, k, v, seed)
+            o, lse = _attend(plan, q, k, v, seed)
             return (o, lse) if return_lse else o
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)
@@ -853,15 +871,14 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     left, right = window_edges(window_size, bool(causal))
     dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
     seed = check_seed("seed", seed)
-    scale = resolve_scale(softmax_scale, q.shape[3])
-    plan = (autocast_dtype("attention", q.device.type), left, right, scale, dropout_p, bool(deterministic))
+    plan = _AttentionPlan(autocast_dtype("attention", q.device.type), left, right,
+                          resolve_scale(softmax_scale, q.shape[3]), dropout_p, bool(deterministic))
     _PLANS.put(key, plan)
-    o, lse = _run_plan(plan, q, k, v, seed, _apply if plans else _FlashAttentionFunction.apply)
+    o, lse = _attend(plan, q, k, v, seed, apply=None if plans else _FlashAttentionFunction.apply)
     return (o, lse) if return_lse else o
 
 
-#: checked eager calls of ``flash_attention`` (``kernels._common.eager``): plan key -> ``(autocast dtype, left,
-#: right, scale, dropout_p, deterministic)``
+#: checked eager calls of ``flash_attention`` (``kernels._common.eager``): plan key -> ``_AttentionPlan``
 _PLANS = PlanCache()
 _apply = function_apply(_FlashAttentionFunction)
 
@@ -875,16 +892,6 @@ def _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, determinis
     return (tensor_key(q), tensor_key(k), tensor_key(v), causal, softmax_scale, type(softmax_scale), dropout_p,
             type(dropout_p), window_size, deterministic, torch.is_grad_enabled(), autocast_key("cuda"),
             autocast_key("cpu"))
-
-
-def _run_plan(plan: tuple, q, k, v, seed: int | None, apply=_apply):
-    """``(o, lse)`` of a call with checked arguments ``plan``: q, k, v cast as autocast casts them, the seed drawn
-    (``seed=None`` with dropout), then ``_run``."""
-    cast_dtype, left, right, scale, dropout_p, deterministic = plan
-    if cast_dtype is not None:
-        q, k, v = autocast_cast("attention", q, k, v)
-    seed = seed_for_call(seed, q.device) if dropout_p > 0 else 0
-    return _run(q, k, v, left, right, scale, dropout_p, seed, deterministic=deterministic, apply=apply)
 
 
 def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
@@ -948,8 +955,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         q, k, v = autocast_cast("attention", q, k, v)
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     left, right = window_edges(window_size, bool(causal))
-    dropout_p, seed = _resolve_dropout(dropout_p, seed, q.device)
-    scale = resolve_scale(softmax_scale, q.shape[2])
-    o, lse = _run(q, k, v, left, right, scale, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                  int(max_seqlen_k))
+    dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
+    seed = check_seed("seed", seed)
+    plan = _AttentionPlan(None, left, right, resolve_scale(softmax_scale, q.shape[2]), dropout_p, False)
+    o, lse = _attend(plan, q, k, v, seed, (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k)),
+                     apply=_FlashAttentionFunction.apply)
     return (o, lse) if return_lse else o
