@@ -457,3 +457,15 @@ def test_tensors_on_two_gpus_get_a_clear_error():
     for call in calls:
         with pytest.raises(ValueError, match=r"is on cuda:\d but \w+ is on cuda:\d"):
             call()
+
+
+def test_autocast_casts_every_input_of_a_planned_call():
+    """A call that repeats a signature takes its stored plan; under autocast it still casts whichever of q, k, v is
+    not yet in the autocast dtype (here q is, k and v are not)."""
+    q = torch.randn(1, 2, 16, 32, device=DEVICE).to(AUTOCAST_DTYPE)
+    k, v = (torch.randn(1, 2, 16, 32, device=DEVICE) for _ in range(2))
+    with torch.autocast(torch.device(DEVICE).type, dtype=AUTOCAST_DTYPE):
+        first = flash_attention(q, k, v, causal=True)
+        again = flash_attention(q, k, v, causal=True)
+    assert first.dtype == again.dtype == AUTOCAST_DTYPE
+    assert torch.equal(first, again)

@@ -781,7 +781,7 @@ def _attend(plan: _AttentionPlan, q, k, v, seed: Seed | None, varlen=None, apply
     they already are), the seed drawn (``None`` with dropout: from torch's generator), then the forward, through
     autograd when a gradient is needed (``apply``: the checked plan's lighter entry, or the Function's ``apply``),
     as the registered op under torch.compile, else directly."""
-    if plan.cast_dtype is not None and q.dtype != plan.cast_dtype:
+    if plan.cast_dtype is not None and not q.dtype == k.dtype == v.dtype == plan.cast_dtype:
         q, k, v = autocast_cast("attention", q, k, v)
     seed = seed_for_call(seed, q.device) if plan.dropout_p > 0 else 0
     left, right, scale, dropout_p = plan.left, plan.right, plan.scale, plan.dropout_p
