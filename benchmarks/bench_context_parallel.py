@@ -18,7 +18,8 @@ Results go to ``benchmarks/results/<gpu>-x<W>/attention-cp.{json,md,png}``. With
 ranks on CPUs run a tiny point of ours and the reference (PyTorch's context parallelism needs CUDA).
 Knobs: ``FUSED_KERNELS_CP_LENGTHS`` (comma-separated, in thousands of tokens: a run keeps the earlier run's points it
 does not measure, so the lengths can be split over several calls), ``FUSED_KERNELS_CP_PEERS`` (comma-separated SDPA
-backends, default ``flash,cudnn,efficient``). On 2 H100s the lengths to 256k took ~7 minutes with two peers.
+backends, default ``flash,cudnn,efficient``), ``FUSED_KERNELS_CP_PROFILE`` (a folder: each rank's kernel times of
+one call of ours per point). On 2 H100s the lengths to 256k took ~7 minutes with two peers.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ LENGTHS = [64] if SMOKE else [1024 * int(k) for k in
                               os.environ.get("FUSED_KERNELS_CP_LENGTHS", "32,64,128,256,512").split(",")]
 PEERS = [] if SMOKE else os.environ.get("FUSED_KERNELS_CP_PEERS", "flash,cudnn,efficient").split(",")
 DTYPE = torch.float32 if SMOKE else torch.bfloat16
+#: ``FUSED_KERNELS_CP_PROFILE=<folder>``: each rank also profiles one call of ours per point (torch.profiler) and
+#: writes where its device time went, kernel by kernel, to ``<folder>/cp-profile-<S>-<direction>-rank<r>.txt``
+PROFILE_DIR = os.environ.get("FUSED_KERNELS_CP_PROFILE", "")
 
 
 def _repetitions(length: int) -> int:
@@ -82,6 +86,25 @@ def _timed(run, repetitions: int, device) -> float:
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest)
+
+
+def _profile(run, path: Path) -> None:
+    """One call of ``run`` under torch.profiler, after a warm-up call: its wall time and the device time of each
+    kernel (attention, NCCL's transfers, the fp32 accumulations and casts), as a table at ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available() and not SMOKE
+    run()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"one call: {wall * 1e3:.1f} ms wall\n" + prof.key_averages().table(sort_by=sort, row_limit=25))
 
 
 def _attention_call(fn, tensors, backward: bool):
@@ -134,9 +157,12 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
                                                      whole, backward), reps, device)
             shards = [shard_sequence(t, 2) for t in whole]
             del whole
-            times["ours"] = _timed(_attention_call(
-                lambda q, k, v: context_parallel_attention(q, k, v, causal=True), shards, backward), reps, device)
-            del shards
+            ours = _attention_call(lambda q, k, v: context_parallel_attention(q, k, v, causal=True), shards, backward)
+            times["ours"] = _timed(ours, reps, device)
+            if PROFILE_DIR:
+                tokens = f"{length // 1024}k" if length >= 1024 else str(length)
+                _profile(ours, Path(PROFILE_DIR) / f"cp-profile-{tokens}-{direction}-rank{rank}.txt")
+            del shards, ours
             for backend in PEERS:
                 times[f"torch-cp-{backend}"] = _torch_context_parallel(mesh, backend, length, backward, reps,
                                                                       device, F)
