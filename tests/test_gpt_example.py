@@ -34,7 +34,8 @@ LR = by_mode(interpreter=3e-3, cuda=1e-3)
 def _train(backend, dropout, steps=STEPS, **kwargs):
     config = GPTConfig(dropout=dropout, backend=backend, **SIZE)
     kwargs.setdefault("autocast_dtype", AUTOCAST)
-    return train(config, steps=steps, batch=BATCH, device=DEVICE, lr=LR, **kwargs)
+    kwargs.setdefault("lr", LR)
+    return train(config, steps=steps, batch=BATCH, device=DEVICE, **kwargs)
 
 
 def test_the_fused_backend_swaps_in_our_modules_and_keeps_the_init():
@@ -171,7 +172,11 @@ def test_two_ranks_train_as_one_process_does_data_and_context_parallel(tmp_path)
     out_file = tmp_path / "losses.json"
     spawn_ranks(_parallel_worker, world, str(out_file))
     single = _train("fused", 0.0, steps=PARALLEL_STEPS, autocast_dtype=None)
-    assert single.losses[-1] < single.losses[0]  # it trains, so a run that did not would differ
+    # it trains, so ranks that dropped updates would differ: by the last step its loss is beyond the tolerance from
+    # the untrained model's on the same batch (the corpus is this repository's text: no fixed loss holds across edits)
+    untrained = _train("fused", 0.0, steps=PARALLEL_STEPS, autocast_dtype=None, lr=0.0)
+    trained_last, untrained_last = single.losses[-1], untrained.losses[-1]
+    assert abs(trained_last - untrained_last) > LOSS_RTOL * abs(untrained_last), (trained_last, untrained_last)
     single_bf16 = _train("fused", 0.0) if AUTOCAST is not None else None
     for run, losses in json.loads(out_file.read_text()).items():
         if run.endswith(" None"):
