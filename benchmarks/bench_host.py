@@ -12,7 +12,8 @@ work). torch's side (provider ``torch``) is what a user would otherwise call: ``
 (and on the padded batch for ``flash_attention_varlen``), SDPA with ``enable_gqa`` against the cache with the new
 token already in it for ``flash_attention_with_kvcache`` (forward only, as the op; ours appends the token too), and
 transformers' ``x * cos + rotate_half(x) * sin`` for ``apply_rotary``. The table's ratios are ours' time over
-torch's (lower is better).
+torch's (lower is better). Provider ``ours-native`` is the same call with the compiled eager tier on
+(``kernels/_native``, ``FUSED_KERNELS_NATIVE=1``), for the ops that have programs there, where its extension builds.
 
 Smoke mode (no GPU): tiny sizes only, wall clock of a few calls, no device time.
 """
@@ -27,6 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels._native as native_tier
 from benchmarks._harness import SMOKE, forward_backward, graph_us, host_us
 from kernels._mode import DEVICE
 from kernels.attention import apply_rotary, flash_attention, flash_attention_varlen, flash_attention_with_kvcache
@@ -112,6 +114,20 @@ def _device_us(fn) -> float | None:
         return None
 
 
+#: the ops that the compiled eager tier has programs for
+NATIVE_OPS = {"layer_norm", "rms_norm"}
+
+
+def _measured_with_native(on: bool, fn) -> float:
+    """:func:`_host_us` of ``fn`` with the compiled eager tier turned on or off for the measurement."""
+    saved = native_tier.NATIVE
+    native_tier.NATIVE = on
+    try:
+        return _host_us(fn)
+    finally:
+        native_tier.NATIVE = saved
+
+
 #: every public op
 OPS = [
     "dropout", "layer_norm", "rms_norm", "add_dropout_norm", "flash_attention", "flash_attention_varlen",
@@ -123,6 +139,8 @@ OPS = [
 def test_host(benchmark, recorder, op, size):
     ours, theirs, differentiable = _cases(size)[op]
     runs = {"ours": ours, "torch": theirs}
+    if op in NATIVE_OPS and not SMOKE and native_tier.module() is not None:
+        runs["ours-native"] = ours
     directions = {"fwd": dict(runs)}
     if differentiable:
         directions["fwd+bwd"] = {provider: forward_backward(fn) for provider, fn in runs.items()}
@@ -132,7 +150,7 @@ def test_host(benchmark, recorder, op, size):
         for _ in range(ROUNDS):
             for direction, fns in directions.items():
                 for provider, fn in fns.items():
-                    times[(direction, provider)].append(_host_us(fn))
+                    times[(direction, provider)].append(_measured_with_native(provider == "ours-native", fn))
 
     benchmark.group = f"host {op} {size}"
     benchmark.pedantic(measure_all, rounds=1, iterations=1)

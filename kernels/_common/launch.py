@@ -320,6 +320,7 @@ class FastLauncher:
         if direct:
             launch, leading = runner.launch, (runner.launch_cooperative_grid, runner.launch_pdl, None, None, *leading)
         self._compiled[key] = (launch, compiled.function, leading, tuple(tail))
+        _COMPILED_BY_FUNCTION[compiled.function] = (compiled, [p.name for p in self._params])
 
 
 def hooks_installed() -> bool:
@@ -350,6 +351,36 @@ class PreparedLaunch:
         self._tensor_slots, self._int_slots, self._device = tensor_slots, int_slots, device
         self._tma_slots = tuple(tma_slots)
         self._expanded = _ExpandedTmaLaunch.of(self) if self._tma_slots else None
+
+    def native_form(self) -> dict | None:
+        """This launch as the compiled tier (``kernels/_native``) takes it: the kernel's CUfunction, grid, block and
+        shared memory, each parameter Triton's launcher passes (``(type, recorded value)``: constexprs left out,
+        pointers as ``"ptr"``), which parameters take the call's tensors and ints; None for what that tier does not
+        replay (TMA arguments, clusters, programmatic launch, a launcher wrapper, scratch memory)."""
+        launch, function, leading, tail = self._entry
+        compiled_and_names = _COMPILED_BY_FUNCTION.get(function)
+        if self._tma_slots or compiled_and_names is None or len(leading) != 8:
+            return None
+        compiled, names = compiled_and_names
+        cooperative, pdl, _, _, (num_warps, num_ctas, shared), *_ = leading
+        if pdl or num_ctas != 1 or getattr(launch, "__self__", None) is None:
+            return None
+        signature = compiled.src.signature
+        params, param_of = [], {}
+        for position, value in enumerate([*self._values, *tail]):
+            kind = signature.get(names[position]) if position < len(names) else "constexpr"
+            if kind is None or kind == "constexpr":
+                continue
+            if not isinstance(kind, str) or kind.startswith("tensordesc"):
+                return None
+            param_of[position] = len(params)
+            params.append(("ptr" if kind.startswith("*") else kind, value))
+        tensor_slots = [i for position, index in self._tensor_slots for i in (param_of[position], index)]
+        int_slots = [i for position, index in self._int_slots if position in param_of
+                     for i in (param_of[position], index)]
+        return {"function": function, "grid": list(self._grid), "block": 32 * num_warps, "shared": shared,
+                "cooperative": bool(cooperative), "params": params, "tensor_slots": tensor_slots,
+                "int_slots": int_slots, "device": self._device}
 
     def __call__(self, addresses: list, ints: tuple, tensors: tuple = ()) -> None:
         if self._expanded is not None:
@@ -483,6 +514,11 @@ class RecordedCall:
     def __init__(self, launches: tuple[PreparedLaunch, ...]):
         self._launches = launches
 
+    def native_forms(self) -> list[dict] | None:
+        """Each launch's :meth:`PreparedLaunch.native_form`; None when one has none."""
+        forms = [launch.native_form() for launch in self._launches]
+        return None if any(form is None for form in forms) else forms
+
     def __call__(self, tensors: tuple, ints: tuple = ()) -> bool:
         """Launch for ``tensors`` (same dtypes, shapes and strides as the recorded call's; None where it had
         None) and ``ints``; False, launching nothing, when it cannot run now (a launch hook is installed, the
@@ -510,6 +546,23 @@ class RecordedCall:
 
 
 _RECORDING: list[Recording | None] = [None]
+#: compiled kernels by CUfunction handle, with the kernel's parameter names (what :meth:`PreparedLaunch.native_form`
+#: reads their signature from)
+_COMPILED_BY_FUNCTION: dict[int, tuple] = {}
+#: the list that :func:`observed_calls` collects into, or None
+_OBSERVER: list[list | None] = [None]
+
+
+@contextlib.contextmanager
+def observed_calls() -> Iterator[list]:
+    """Inside the block, every recorded-launch lookup of an op (:func:`replayed`, :func:`launch_or_replay`) appends
+    ``(cache, signature, tensors)`` to the yielded list: what the compiled tier builds its programs from."""
+    seen: list = []
+    saved, _OBSERVER[0] = _OBSERVER[0], seen
+    try:
+        yield seen
+    finally:
+        _OBSERVER[0] = saved
 #: ids of tensors that live as long as the process (placeholders), whose addresses recordings may keep
 _FIXED_TENSORS: set[int] = set()
 _FIXED_KEEP: list[torch.Tensor] = []
@@ -561,6 +614,8 @@ def replayed(cache: PreparedCache, signature, tensors: tuple, ints: tuple = ()) 
     it builds anything else for its launches, and builds them (``launch_or_replay``) only when the answer is no."""
     if signature is None:
         return False
+    if _OBSERVER[0] is not None:
+        _OBSERVER[0].append((cache, signature, tensors))
     replay = cache.get(signature)
     return bool(replay) and replay(tensors, ints)
 
@@ -574,6 +629,8 @@ def launch_or_replay(cache: PreparedCache, signature, tensors: tuple, launch: Ca
     if signature is None:
         launch()
         return
+    if _OBSERVER[0] is not None:
+        _OBSERVER[0].append((cache, signature, tensors))
     replay = cache.get(signature)
     if replay and replay(tensors, ints):
         return

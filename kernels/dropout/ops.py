@@ -39,16 +39,22 @@ from kernels._common import (
     nothing_to_launch,
 )
 from kernels._common.eager import PlanCache, function_apply, plannable, plans_apply, tensor_key
+from kernels._common.launch import PreparedCache, recording
 from kernels._common.opaque import opaque_op
 from kernels._common.seed import (
+    SEED_WORD_PARAMETERS,
     Seed,
     dropout_scalars,
+    key_words,
     op_seed_args,
     seed_for_call,
     seed_from_op_args,
     seed_pointer,
     seed_value,
 )
+from kernels._native import active as native_active
+from kernels._native import launches as native_launches
+from kernels._native import module as native_module
 from kernels.dropout import configs
 from kernels.dropout._kernels import _dropout_columns_kernel, _dropout_fwd_kernel, _dropout_rows_kernel
 from reference.dropout import LANE_STRIDE
@@ -249,6 +255,10 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int
         key = (tensor_key(x), p, type(p), training, inplace, torch.is_grad_enabled())
         plan = _DROPOUT_PLANS.get(key)
         if plan is not None:
+            if native_active() and not plan[1] and plan[0] not in (0.0, 1.0):
+                out = _native_dropout(key, plan, x, seed)
+                if out is not None:
+                    return out
             return _dropout_run(plan, x, seed, _apply_dropout)
     check_tensor("x", x)
     check_float_dtype("x", x, FLOAT_DTYPES)
@@ -276,6 +286,46 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int
 #: dropped (``training=False`` too)
 _DROPOUT_PLANS = PlanCache()
 _apply_dropout = function_apply(_DropoutFunction)
+
+
+#: compiled-tier programs (``kernels._native``) by plan key: a program, or False where none can be built
+_NATIVE_DROPOUTS = PreparedCache()
+
+
+def _native_dropout(key, plan: tuple, x: torch.Tensor, seed: int | None) -> torch.Tensor | None:
+    """A dropout call (not in place, 0 < p < 1) through its compiled-tier program, built on the first call of its
+    plan key; None where it has none (CPU tensors, a tensor that is not contiguous, CUDA graph capture, which draws
+    its seeds on the device, a misaligned tensor): the call then takes the Python path."""
+    if not (x.is_cuda and x.is_contiguous()) or torch.cuda.is_current_stream_capturing():
+        return None
+    program = _NATIVE_DROPOUTS.get(key)
+    if program is None:
+        program = _native_dropout_program(x, plan[0], plan[2]) or False
+        _NATIVE_DROPOUTS.put(key, program)
+    if program is False:
+        return None
+    outputs = native_module().run(program, [x], list(key_words(seed_for_call(seed, x.device))))
+    return None if outputs is None else outputs[0]
+
+
+def _native_dropout_program(x: torch.Tensor, p: float, needs_grad: bool):
+    """The program of a contiguous dropout call: its one launch recorded (on ``x``, into a scratch output, with any
+    seed: the seed words are the call's ints), run forward on the input and backward on the gradient with the
+    same seed, as ``_DropoutFunction``."""
+    native = native_module()
+    out = torch.empty_like(x)
+    with recording((x, out), SEED_WORD_PARAMETERS) as rec:
+        _launch(x, out, dropout_scalars(p, 0), traceable=False)
+    launches = native_launches(rec.replay(), native)
+    if launches is None:
+        return None
+    program = native.Program(device=x.device, launches=launches, allocs=[(list(x.shape), x.dtype)], fixed=[],
+                             tensors=[native.INPUT, 0, native.ALLOC, 0], outputs=[native.ALLOC, 0], saved=[])
+    if needs_grad:
+        program.set_backward(launches=launches, allocs=[(list(x.shape), x.dtype)], fixed=[],
+                             tensors=[native.GRAD, 0, native.ALLOC, 0], grad_dtypes=[x.dtype],
+                             input_grads=[native.ALLOC, 0])
+    return program
 
 
 def _dropout_run(plan: tuple, x: torch.Tensor, seed: int | None, apply) -> torch.Tensor:

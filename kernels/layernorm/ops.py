@@ -46,6 +46,7 @@ from kernels._common.launch import (
     PreparedCache,
     current_stream_handle,
     launch_or_replay,
+    observed_calls,
     prepared_launches_enabled,
     replayed,
 )
@@ -53,6 +54,11 @@ from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.opaque import opaque_op
 from kernels._common.runtime import INTERPRETER, is_hopper
 from kernels._common.seed import SEED_WORD_PARAMETERS, Seed
+from kernels._native import Refs
+from kernels._native import active as native_active
+from kernels._native import launches as native_launches
+from kernels._native import module as native_module
+from kernels._native import observed as native_observed
 from kernels.layernorm import _hopper, configs
 from kernels.layernorm._kernels import (
     _add_dropout_norm_fwd_kernel,
@@ -527,6 +533,10 @@ def _norm(x, normalized_shape, weight, bias, eps, is_rms: bool, deterministic):
                type(eps), is_rms, deterministic, torch.is_grad_enabled(), autocast_key("cuda"))
         plan = _NORM_PLANS.get(key)
         if plan is not None:
+            if native_active():
+                y = _native_norm(key, plan, x, weight, bias)
+                if y is not None:
+                    return y
             return _norm_run(plan, x, weight, bias, _apply_norm)
     op = "rms_norm" if is_rms else "layer_norm"
     cast = autocast_dtype(op, x.device.type) if isinstance(x, torch.Tensor) else None
@@ -566,6 +576,87 @@ def _norm_run(plan: tuple, x, weight, bias, apply):
     if needs_grad:
         return apply(x, weight, bias, n, eps, is_rms, deterministic)
     return _norm_fwd_impl(x, _flat(weight), _flat(bias), eps, is_rms, n=n)[0]
+
+
+#: compiled-tier programs of the plain norms (``kernels._native``) by (plan key, stream): a program, or False where
+#: none can be built (the call then takes the Python path)
+_NATIVE_NORMS = PreparedCache()
+
+
+def _native_norm(key, plan: tuple, x, weight, bias) -> torch.Tensor | None:
+    """The call through its compiled-tier program (built on the first call of its plan key and stream), or None
+    when it has none: CPU tensors, tensors that are not contiguous (programs are built for contiguous ones), CUDA
+    graph capture (a program holds its stream's backward workspace, which a graph must not capture), a misaligned
+    tensor."""
+    n, eps, is_rms, deterministic, needs_grad, cast = plan
+    if cast is not None:
+        x, weight, bias = _autocast_to(cast, x, weight, bias)
+    if not (x.is_cuda and x.is_contiguous() and (weight is None or weight.is_contiguous())
+            and (bias is None or bias.is_contiguous())) or torch.cuda.is_current_stream_capturing():
+        return None
+    program_key = (key, current_stream_handle(x.device))
+    program = _NATIVE_NORMS.get(program_key)
+    if program is None:
+        program = _native_norm_program(x, weight, bias, n, eps, is_rms, deterministic, needs_grad) or False
+        _NATIVE_NORMS.put(program_key, program)
+    if program is False:
+        return None
+    outputs = native_module().run(program, [t for t in (x, weight, bias) if t is not None], [])
+    return None if outputs is None else outputs[0]
+
+
+def _native_norm_program(x, weight, bias, n, eps, is_rms, deterministic, needs_grad):
+    """The compiled-tier program of a norm call: its forward and (``needs_grad``) backward run once through the
+    Python path, the backward on an uninitialised gradient, with their recorded launches observed; None when either
+    has none the extension can replay. The forward's tensors (``_norm_fwd_impl``): x, y, weight, bias, mean, rstd,
+    the split-row statistics; the backward's (``_norm_bwd_impl``, single-kernel path): x, dy, dx, weight, mean, rstd,
+    the dW/dB partial rows, their locks, the fused op's two residual gradients, dW, dB."""
+    native = native_module()
+    x2, _ = _rows(x, n)
+    w, b = _flat(weight), _flat(bias)
+    with observed_calls() as seen:
+        y, mean, rstd = _norm_fwd_impl(x2, w, b, eps, is_rms, n=n)
+    found = native_observed(seen, _NORM_FORWARD_CALLS)
+    launches = None if found is None else native_launches(found[0], native)
+    if launches is None or found[1][6] is not None:
+        return None
+    fwd = Refs(native)
+    inputs = {"x": fwd.of("INPUT", 0)}
+    for name, t in (("weight", weight), ("bias", bias)):
+        inputs[name] = fwd.of("INPUT", len(inputs)) if t is not None else fwd.none()
+    y_ref = fwd.alloc(x.shape, y.dtype)
+    mean_ref, rstd_ref = fwd.alloc(mean.shape, mean.dtype), fwd.alloc(rstd.shape, rstd.dtype)
+    program = native.Program(
+        device=x.device, launches=launches, allocs=fwd.allocs, fixed=fwd.fixed,
+        tensors=Refs.flat([inputs["x"], y_ref, inputs["weight"], inputs["bias"], mean_ref, rstd_ref, fwd.none()]),
+        outputs=Refs.flat([y_ref]), saved=Refs.flat([inputs["x"], inputs["weight"], mean_ref, rstd_ref]))
+    if not needs_grad:
+        return program
+    grad_dtypes = (torch.float32 if weight is None else weight.dtype, torch.float32 if bias is None else bias.dtype)
+    with observed_calls() as seen:
+        _norm_bwd_impl(torch.empty_like(y), x2, w, mean, rstd, is_rms, bias is not None, deterministic, n=n,
+                       grad_dtypes=grad_dtypes, bias_shape=None if bias is None else bias.shape)
+    found = native_observed(seen, _NORM_BACKWARD_CALLS)
+    launches = None if found is None else native_launches(found[0], native)
+    if launches is None:
+        return None
+    _, _, dx, _, _, _, partial, locks, dres, dr, dw, db = found[1]
+    if dres is not None or dr is not None:
+        return None
+    bwd = Refs(native)
+    dx_ref = bwd.alloc(x.shape, dx.dtype)
+    dw_ref = bwd.alloc(weight.shape, dw.dtype) if weight is not None else bwd.none()
+    db_ref = bwd.alloc(bias.shape, db.dtype) if bias is not None else bwd.none()
+    saved_weight = bwd.of("SAVED", 1) if weight is not None else bwd.none()
+    program.set_backward(
+        launches=launches, allocs=bwd.allocs, fixed=bwd.fixed,
+        tensors=Refs.flat([bwd.of("SAVED", 0), bwd.of("GRAD", 0), dx_ref, saved_weight, bwd.of("SAVED", 2),
+                           bwd.of("SAVED", 3), bwd.hold(partial) if partial is not None else bwd.none(),
+                           bwd.hold(locks) if locks is not None else bwd.none(), bwd.none(), bwd.none(), dw_ref,
+                           db_ref]),
+        grad_dtypes=[y.dtype], input_grads=Refs.flat([dx_ref, *(r for r, t in ((dw_ref, weight), (db_ref, bias))
+                                                                if t is not None)]))
+    return program
 
 
 def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,

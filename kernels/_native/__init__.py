@@ -1,0 +1,121 @@
+"""The compiled tier of the eager path: recorded op calls replayed from C++ (``recorded_ops.cpp``).
+
+An eager call of ours costs Python on the host: the op's own code, an ``autograd.Function`` (whose backward node
+the autograd engine runs through Python) and the launches. Recorded launches (``kernels/_common/launch.py``) already
+cut the launches to a C call each; what stays is the Python around them. This tier turns an op call that the Python
+path has recorded into a *program* (data: the launches, the tensors to allocate, what to return and save) that a
+small C++ extension runs, with a C++ autograd node for the backward, so a replayed call runs no Python past the
+lookup of its program, and its backward none at all.
+
+Opt-in while it is being measured: ``FUSED_KERNELS_NATIVE=1`` turns it on. The extension is built on first use with
+``torch.utils.cpp_extension`` (a C++ compiler and ninja; no CUDA toolkit: the driver is reached through ``dlopen``)
+and cached by torch in ``TORCH_EXTENSIONS_DIR``; when it cannot be built, a warning says so once and every call
+takes the Python path, as it does under the Triton interpreter, under torch.compile and in CI. The Python path stays
+the reference: tests compare the two bit for bit, and run the programs on CPU in capture mode (launches logged, not
+run) to check what each launch is given.
+
+Limits: what recorded launches cannot replay (TMA arguments, clusters, kernels with scratch memory) has no program;
+a program is built for one op signature on one stream, for contiguous tensors (anything else takes the Python path).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from kernels._common.launch import RecordedCall, hooks_installed
+from kernels._common.runtime import INTERPRETER
+
+#: ``FUSED_KERNELS_NATIVE=1``: eager calls replay their recorded programs from C++ where they can
+NATIVE = os.environ.get("FUSED_KERNELS_NATIVE", "0") == "1"
+
+_SOURCE = pathlib.Path(__file__).with_name("recorded_ops.cpp")
+_MODULE: list = []
+_LOCK = threading.Lock()
+
+
+def module():
+    """The built extension, or None when it cannot be built (warned once)."""
+    if _MODULE:
+        return _MODULE[0]
+    with _LOCK:
+        if not _MODULE:
+            _MODULE.append(_build())
+    return _MODULE[0]
+
+
+def _build():
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="fused_kernels_native", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+    except Exception as error:  # a missing compiler or ninja: the Python path serves every call
+        warnings.warn(f"fused_kernels: the compiled eager tier could not be built ({error}); eager calls take the "
+                      "Python path", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def active() -> bool:
+    """Whether eager calls may take programs now: turned on, not under the interpreter, no launch hook installed
+    (a profiler must see every launch through Triton), the extension built."""
+    return NATIVE and not INTERPRETER and not hooks_installed() and module() is not None
+
+
+def launches(recorded: RecordedCall | bool | None, native=None) -> list | None:
+    """The extension's launches of a recorded call; None when there is none or one cannot be replayed here."""
+    if not recorded:
+        return None
+    forms = recorded.native_forms()
+    if forms is None:
+        return None
+    native = native or module()
+    out = []
+    for form in forms:
+        form = dict(form)
+        form.pop("device")
+        out.append(native.Launch(**form))
+    return out
+
+
+def observed(seen: list, cache) -> tuple | None:
+    """``(recorded call, tensors)`` of the last lookup in ``cache`` among the observed ones (an op may ask
+    :func:`~kernels._common.launch.replayed` and then :func:`~kernels._common.launch.launch_or_replay` for one
+    signature), or None when the op did not look one up there."""
+    for seen_cache, signature, tensors in reversed(seen):
+        if seen_cache is cache:
+            return seen_cache.get(signature), tensors
+    return None
+
+
+class Refs:
+    """Builds a stage's tensor list for the extension: each tensor of a recorded call's tensors tuple named by
+    where it comes from (an input, an allocation, a held tensor, an output's gradient, a saved tensor, nothing)."""
+
+    def __init__(self, native):
+        self.native = native
+        self.pairs: list[int] = []
+        self.allocs: list[tuple[list[int], torch.dtype]] = []
+        self.fixed: list[torch.Tensor] = []
+
+    def none(self) -> tuple[int, int]:
+        return self.native.NONE, 0
+
+    def of(self, kind: str, index: int) -> tuple[int, int]:
+        return getattr(self.native, kind), index
+
+    def alloc(self, sizes: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
+        self.allocs.append((list(sizes), dtype))
+        return self.native.ALLOC, len(self.allocs) - 1
+
+    def hold(self, tensor: torch.Tensor) -> tuple[int, int]:
+        self.fixed.append(tensor)
+        return self.native.FIXED, len(self.fixed) - 1
+
+    @staticmethod
+    def flat(refs: Sequence[tuple[int, int]]) -> list[int]:
+        return [i for ref in refs for i in ref]

@@ -1,0 +1,269 @@
+"""The compiled tier of the eager path (``kernels/_native``): recorded programs replayed from C++.
+
+On CPUs the extension runs in capture mode (each launch logged with the bytes of every parameter, nothing run):
+the tests check what a launch is given, where the autograd node sends each gradient, and when a call must step
+aside. On a GPU the tier is compared with the Python path bit for bit.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+import kernels._native as native_tier
+from kernels._mode import DEVICE, INTERPRETER
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = native_tier.module()
+    if module is None:
+        if not INTERPRETER:  # the GPU machine has the compiler and ninja: a failed build there is a failure
+            pytest.fail("the compiled tier could not be built")
+        pytest.skip("the compiled tier could not be built here (a C++ compiler and ninja are needed)")
+    return module
+
+
+@pytest.fixture
+def capture(native):
+    native.set_capture_mode(True)
+    native.take_log()
+    yield native
+    native.take_log()
+    native.set_capture_mode(False)
+
+
+def _words(logged) -> list[bytes]:
+    return logged[6]
+
+
+def _pointer(word: bytes) -> int:
+    return struct.unpack("<Q", word)[0]
+
+
+def test_each_parameter_reaches_the_kernel_as_tritons_launcher_packs_it(capture):
+    params = [("ptr", 0), ("i32", -7), ("i64", -(2**40)), ("u64", 2**63 + 5), ("fp32", 1e-5), ("i1", True),
+              ("fp64", 0.1), ("i8", -1), ("u16", 65535), ("ptr", 4096)]
+    launch = capture.Launch(function=77, grid=[3, 2, 1], block=256, shared=1024, cooperative=True, params=params,
+                            tensor_slots=[0, 0], int_slots=[1, 0, 2, 1])
+    program = capture.Program(device=torch.device("cpu"), launches=[launch], allocs=[], fixed=[],
+                              tensors=[capture.INPUT, 0], outputs=[], saved=[])
+    x = torch.zeros(4)
+    assert capture.run(program, [x], [2**32 + 9, -3]) == []
+    (logged,) = capture.take_log()
+    assert logged[:5] == (77, (3, 2, 1), 256, 1024, True)
+    expected = [struct.pack("<Q", x.data_ptr()), struct.pack("<I", 9), struct.pack("<q", -3),
+                struct.pack("<Q", 2**63 + 5), struct.pack("<f", 1e-5), b"\x01", struct.pack("<d", 0.1), b"\xff",
+                struct.pack("<H", 65535), struct.pack("<Q", 4096)]
+    # then Triton's two scratch pointers, null: kernels that need scratch memory are never recorded
+    assert _words(logged) == [*expected, bytes(8), bytes(8)]
+
+
+def test_a_parameter_of_an_unknown_type_or_a_slot_on_a_non_pointer_is_refused(native):
+    with pytest.raises(RuntimeError, match="no parameter of type"):
+        native.Launch(function=1, grid=[1, 1, 1], block=32, shared=0, cooperative=False, params=[("fp16", 1.0)],
+                      tensor_slots=[], int_slots=[])
+    with pytest.raises(RuntimeError, match="not a pointer"):
+        native.Launch(function=1, grid=[1, 1, 1], block=32, shared=0, cooperative=False, params=[("i32", 0)],
+                      tensor_slots=[0, 0], int_slots=[])
+
+
+def _norm_like_program(native):
+    """A program shaped as a norm's: inputs x and w; the forward allocates y and a statistics row, returns y and
+    saves x, w and the statistics; the backward allocates dx and dw from the gradient and the saved tensors."""
+    forward = native.Launch(function=1, grid=[1, 1, 1], block=128, shared=0, cooperative=False,
+                            params=[("ptr", 0)] * 4, tensor_slots=[0, 0, 1, 1, 2, 2, 3, 3], int_slots=[])
+    program = native.Program(device=torch.device("cpu"), launches=[forward],
+                             allocs=[([2, 3], torch.float32), ([2], torch.float32)], fixed=[],
+                             tensors=[native.INPUT, 0, native.ALLOC, 0, native.INPUT, 1, native.ALLOC, 1],
+                             outputs=[native.ALLOC, 0], saved=[native.INPUT, 0, native.INPUT, 1, native.ALLOC, 1])
+    workspace = torch.zeros(8)
+    backward = native.Launch(function=2, grid=[1, 1, 1], block=128, shared=0, cooperative=False,
+                             params=[("ptr", 0)] * 7, tensor_slots=[i for k in range(7) for i in (k, k)],
+                             int_slots=[])
+    program.set_backward(launches=[backward], allocs=[([2, 3], torch.float32), ([3], torch.float32)],
+                         fixed=[workspace],
+                         tensors=[native.SAVED, 0, native.GRAD, 0, native.ALLOC, 0, native.SAVED, 1, native.SAVED, 2,
+                                  native.FIXED, 0, native.ALLOC, 1],
+                         grad_dtypes=[torch.float32], input_grads=[native.ALLOC, 0, native.ALLOC, 1])
+    return program, workspace
+
+
+def test_the_autograd_node_gives_each_input_the_gradient_its_launch_wrote(capture):
+    program, workspace = _norm_like_program(capture)
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    (y,) = capture.run(program, [x, w], [])
+    assert y.shape == (2, 3) and y.dtype == torch.float32 and y.grad_fn is not None
+    (forward,) = capture.take_log()
+    x_at, y_at, w_at, stats_at = (_pointer(word) for word in _words(forward)[:4])
+    assert (x_at, y_at, w_at) == (x.data_ptr(), y.data_ptr(), w.data_ptr()) and stats_at not in (0, x_at, y_at)
+    # a gradient of another dtype, not contiguous: the backward gets it contiguous in the recorded dtype
+    grad = torch.randn(3, 2, dtype=torch.float64).t()
+    y.backward(grad)
+    (backward,) = capture.take_log()
+    saved_x, dy, dx, saved_w, saved_stats, held, dw = (_pointer(word) for word in _words(backward)[:7])
+    assert (saved_x, saved_w, saved_stats, held) == (x.data_ptr(), w.data_ptr(), stats_at, workspace.data_ptr())
+    assert dy not in (grad.data_ptr(), 0)
+    assert x.grad.data_ptr() == dx and w.grad.data_ptr() == dw
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+def test_without_a_gradient_to_compute_no_node_is_made(capture):
+    program, _ = _norm_like_program(capture)
+    x, w = torch.randn(2, 3), torch.randn(3)
+    (y,) = capture.run(program, [x, w], [])
+    assert y.grad_fn is None
+    with torch.no_grad():
+        (y,) = capture.run(program, [x.requires_grad_(), w], [])
+    assert y.grad_fn is None
+    assert len(capture.take_log()) == 2
+
+
+def test_a_misaligned_input_launches_nothing_and_asks_for_the_python_path(capture):
+    program, _ = _norm_like_program(capture)
+    x = torch.randn(7)[1:7].view(2, 3)  # 4 bytes past a 16-byte boundary
+    assert x.data_ptr() % 16
+    assert capture.run(program, [x, torch.randn(3)], []) is None
+    assert capture.take_log() == []
+
+
+def test_a_recorded_launch_keeps_triton_launchers_parameters_in_order(monkeypatch):
+    """A launch's native form takes the compiled kernel's signature: constexprs (declared, or an argument Triton
+    specialised to one: an int equal to 1, a None pointer) are left out, and each tensor or int slot lands on its
+    parameter's new index."""
+    import types
+
+    from kernels._common import launch as launch_module
+
+    names = ["x_ptr", "out_ptr", "n", "one", "seed_lo", "absent_ptr", "scale", "BLOCK"]
+    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "n": "i32", "one": "constexpr", "seed_lo": "i32",
+                 "absent_ptr": "constexpr", "scale": "fp32", "BLOCK": "constexpr"}
+    compiled = types.SimpleNamespace(src=types.SimpleNamespace(signature=signature))
+    function = 0x5EED
+    monkeypatch.setitem(launch_module._COMPILED_BY_FUNCTION, function, (compiled, names))
+    # Triton's C launcher after (grid, stream, function): cooperative flag, PDL flag, the two scratch buffers,
+    # (num_warps, num_ctas, shared memory), launch metadata, the two hooks
+    leading = (True, False, None, None, (8, 1, 4096), None, None, None)
+    entry = (len, function, leading, (1024,))  # a C function stands for the compiled launcher
+    values = [0, 0, 4096, 1, 0, None, 0.5]
+    prepared = launch_module.PreparedLaunch(entry, (16, 1, 1), values, [(0, 1), (1, 0)], [(4, 0)], 0)
+    form = prepared.native_form()
+    assert form == {"function": function, "grid": [16, 1, 1], "block": 256, "shared": 4096, "cooperative": True,
+                    "params": [("ptr", 0), ("ptr", 0), ("i32", 4096), ("i32", 0), ("fp32", 0.5)],
+                    "tensor_slots": [0, 1, 1, 0], "int_slots": [3, 0], "device": 0}
+    # what the tier cannot replay: a launcher behind a Python wrapper, clusters, programmatic launch
+    for other in ((lambda *a: None, function, leading, (1024,)),
+                  (len, function, (True, False, None, None, (8, 2, 4096), None, None, None), (1024,)),
+                  (len, function, (True, True, None, None, (8, 1, 4096), None, None, None), (1024,))):
+        assert launch_module.PreparedLaunch(other, (16, 1, 1), values, [], [], 0).native_form() is None
+
+
+def test_the_interpreter_never_takes_the_tier(monkeypatch):
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    assert native_tier.active() == (not INTERPRETER and native_tier.module() is not None)
+
+
+# --- on a GPU: the tier against the Python path --------------------------------------------------------------
+
+
+def _norm_calls(fn, x, w, b, dy, deterministic):
+    """Three calls (the first stores the plan, the second builds the program, the third replays it): each call's
+    output and gradients."""
+    out = []
+    for _ in range(3):
+        for t in (x, w, b):
+            if t is not None:
+                t.grad = None
+        y = fn(x, x.shape[-1:], w, b, deterministic=deterministic) if b is not None else (
+            fn(x, x.shape[-1:], w, deterministic=deterministic))
+        y.backward(dy)
+        out.append([y.detach().clone(), *(t.grad.clone() for t in (x, w, b) if t is not None)])
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(8, 1024), (2, 5, 2048), (3, 96)])
+@pytest.mark.parametrize("affine", ["weight+bias", "weight", "none"])
+def test_native_norms_equal_the_python_path_bit_for_bit(native, monkeypatch, kind, dtype, shape, affine):
+    import kernels.layernorm.ops as ops
+    from kernels.layernorm import layer_norm, rms_norm
+
+    fn = layer_norm if kind == "layer_norm" else rms_norm
+    torch.manual_seed(0)
+    n = shape[-1]
+    x = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True) if affine != "none" else None
+    b = (torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True)
+         if affine == "weight+bias" and kind == "layer_norm" else None)
+    dy = torch.randn(shape, device=DEVICE, dtype=dtype)
+    monkeypatch.setattr(native_tier, "NATIVE", False)
+    python = _norm_calls(fn, x, w, b, dy, deterministic=True)
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    ops._NATIVE_NORMS._entries.clear()
+    compiled = _norm_calls(fn, x, w, b, dy, deterministic=True)
+    assert any(program is not False for program in ops._NATIVE_NORMS._entries.values()), "no program was built"
+    for got in compiled:
+        for a, e in zip(got, python[0], strict=True):
+            assert torch.equal(a, e)
+
+
+@pytest.mark.cuda
+def test_native_norm_steps_aside_for_views_and_inference_still_replays(native, monkeypatch):
+    import kernels.layernorm.ops as ops
+    from kernels.layernorm import layer_norm
+
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    ops._NATIVE_NORMS._entries.clear()
+    x = torch.randn(16, 512, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(512, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(512, device=DEVICE, dtype=torch.bfloat16)
+    expected = torch.nn.functional.layer_norm(x.float(), (512,), w.float(), b.float()).to(x.dtype)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(layer_norm(x, (512,), w, b), expected, rtol=2e-2, atol=2e-2)
+    assert any(program is not False for program in ops._NATIVE_NORMS._entries.values())
+    wide = torch.randn(16, 1024, device=DEVICE, dtype=torch.bfloat16)[:, ::2]  # same shape, strided rows
+    with torch.no_grad():
+        for _ in range(3):
+            got = layer_norm(wide, (512,), w, b)
+    reference = torch.nn.functional.layer_norm(wide.float(), (512,), w.float(), b.float()).to(x.dtype)
+    torch.testing.assert_close(got, reference, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(8, 1024), (3, 5, 7)])
+def test_native_dropout_equals_the_python_path_bit_for_bit(native, monkeypatch, dtype, shape):
+    import kernels.dropout.ops as ops
+    from kernels.dropout import dropout
+
+    x = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True)
+    dy = torch.randn(shape, device=DEVICE, dtype=dtype)
+
+    def calls():
+        out = []
+        for seed in (1, 2**63 + 11, 12345):
+            x.grad = None
+            y = dropout(x, 0.3, seed=seed)
+            y.backward(dy)
+            out.append((y.detach().clone(), x.grad.clone()))
+        return out
+
+    monkeypatch.setattr(native_tier, "NATIVE", False)
+    python = calls()
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    ops._NATIVE_DROPOUTS._entries.clear()
+    compiled = calls()
+    assert any(program is not False for program in ops._NATIVE_DROPOUTS._entries.values()), "no program was built"
+    for (y, dx), (y_ref, dx_ref) in zip(compiled, python, strict=True):
+        assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    # seed=None: torch's generator governs the draws, as on the Python path
+    torch.manual_seed(5)
+    first = dropout(x, 0.3)
+    torch.manual_seed(5)
+    assert torch.equal(dropout(x, 0.3), first) and not torch.equal(dropout(x, 0.3), first)
