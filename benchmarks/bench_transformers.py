@@ -4,7 +4,8 @@ Providers per point: ``sdpa`` (the model as transformers builds it, ``attn_imple
 ``fused-kernels`` (the same model after ``kernels.transformers.apply``: our attention and norms) and ``sdpa+liger``
 (Liger's RMSNorm patch, ``apply_liger_kernel_to_llama(rms_norm=True)`` with its other patches off, on the models
 Liger has a patch for; left out when Liger is not installed). Every provider of a point starts from the same
-weights, in bf16 parameters.
+weights, in bf16 parameters. Eager points add ``fused-kernels-native``: the ``fused-kernels`` model with the compiled
+eager tier on (``kernels/_native``, ``FUSED_KERNELS_NATIVE=1``), where its extension builds.
 
 Points (record keys ``model``, ``mode`` (eager / compile: ``torch.compile(model)``), ``task`` (train / generate),
 ``padding`` (the fraction of pad tokens in the batch)):
@@ -37,6 +38,7 @@ import time
 import pytest
 import torch
 
+import kernels._native as native_tier
 from benchmarks._harness import SMOKE
 from kernels._mode import DEVICE
 
@@ -98,6 +100,27 @@ def _liger_patch(name: str):
         return model
 
     return patch
+
+
+#: the provider that runs the ``fused-kernels`` model with the compiled eager tier on
+NATIVE_PROVIDER = "fused-kernels-native"
+
+
+def _native_variant(fn):
+    """``fn`` run with the compiled eager tier on, or None where its extension cannot be built (and in smoke mode,
+    which runs the interpreter)."""
+    if SMOKE or native_tier.module() is None:
+        return None
+
+    def with_native(*args, **kwargs):
+        saved = native_tier.NATIVE
+        native_tier.NATIVE = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            native_tier.NATIVE = saved
+
+    return with_native
 
 
 def _build(name: str, config) -> torch.nn.Module:
@@ -177,12 +200,15 @@ def test_train(benchmark, recorder, name, mode):
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not SMOKE)
         steps[provider] = _step(model, optimizer, batch, torch.compile(model) if mode == "compile" else model)
-    runs: dict[str, list[tuple[float, float]]] = {provider: [] for provider in models}
+    native = _native_variant(steps["fused-kernels"]) if mode == "eager" else None
+    if native is not None:  # the same model and optimizer, trained in turn with the tier on
+        steps[NATIVE_PROVIDER] = native
+    runs: dict[str, list[tuple[float, float]]] = {provider: [] for provider in steps}
 
     def train_all():
         for _ in range(ROUNDS):
             for provider, step in steps.items():
-                runs[provider].append(_train_run(models[provider], step, STEPS))
+                runs[provider].append(_train_run(models.get(provider), step, STEPS))
 
     benchmark.group = f"transformers train {name} {mode}"
     benchmark.pedantic(train_all, rounds=1, iterations=1)
@@ -208,7 +234,11 @@ def test_generate(benchmark, recorder, batch):
     ids = ids.to(DEVICE)
     kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS,
               "do_sample": False, "pad_token_id": 0}
-    runs: dict[str, list[float]] = {provider: [] for provider in models}
+    calls = {provider: model.generate for provider, model in models.items()}
+    native = _native_variant(models["fused-kernels"].generate)
+    if native is not None:
+        calls[NATIVE_PROVIDER] = native
+    runs: dict[str, list[float]] = {provider: [] for provider in calls}
     outputs = {}
 
     def generate(provider):
@@ -216,7 +246,7 @@ def test_generate(benchmark, recorder, batch):
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
-            outputs[provider] = models[provider].generate(ids, **kwargs)
+            outputs[provider] = calls[provider](ids, **kwargs)
         if not SMOKE:
             torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3
@@ -225,10 +255,10 @@ def test_generate(benchmark, recorder, batch):
         for model in models.values():
             model.eval()
             model.generation_config.eos_token_id = None  # every call makes NEW_TOKENS tokens
-        for provider in models:
+        for provider in calls:
             generate(provider)  # warm-up: kernels compiled, caches allocated
         for _ in range(ROUNDS):
-            for provider in models:
+            for provider in calls:
                 runs[provider].append(generate(provider))
 
     benchmark.group = f"transformers generate batch {batch}"

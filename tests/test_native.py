@@ -51,9 +51,9 @@ def test_each_parameter_reaches_the_kernel_as_tritons_launcher_packs_it(capture)
     program = capture.Program(device=torch.device("cpu"), launches=[launch], allocs=[], fixed=[],
                               tensors=[capture.INPUT, 0], outputs=[], saved=[])
     x = torch.zeros(4)
-    assert capture.run(program, [x], [2**32 + 9, -3]) == []
+    assert capture.run(program, [x], [2**32 + 9, -3], 0xABC) == []
     (logged,) = capture.take_log()
-    assert logged[:5] == (77, (3, 2, 1), 256, 1024, True)
+    assert logged[:6] == (77, (3, 2, 1), 256, 1024, True, 0xABC)
     expected = [struct.pack("<Q", x.data_ptr()), struct.pack("<I", 9), struct.pack("<q", -3),
                 struct.pack("<Q", 2**63 + 5), struct.pack("<f", 1e-5), b"\x01", struct.pack("<d", 0.1), b"\xff",
                 struct.pack("<H", 65535), struct.pack("<Q", 4096)]
@@ -76,18 +76,18 @@ def _norm_like_program(native):
     forward = native.Launch(function=1, grid=[1, 1, 1], block=128, shared=0, cooperative=False,
                             params=[("ptr", 0)] * 4, tensor_slots=[0, 0, 1, 1, 2, 2, 3, 3], int_slots=[])
     program = native.Program(device=torch.device("cpu"), launches=[forward],
-                             allocs=[([2, 3], torch.float32), ([2], torch.float32)], fixed=[],
+                             allocs=[([2, 3], [], torch.float32), ([2], [], torch.float32)], fixed=[],
                              tensors=[native.INPUT, 0, native.ALLOC, 0, native.INPUT, 1, native.ALLOC, 1],
                              outputs=[native.ALLOC, 0], saved=[native.INPUT, 0, native.INPUT, 1, native.ALLOC, 1])
     workspace = torch.zeros(8)
     backward = native.Launch(function=2, grid=[1, 1, 1], block=128, shared=0, cooperative=False,
                              params=[("ptr", 0)] * 7, tensor_slots=[i for k in range(7) for i in (k, k)],
                              int_slots=[])
-    program.set_backward(launches=[backward], allocs=[([2, 3], torch.float32), ([3], torch.float32)],
+    program.set_backward(launches=[backward], allocs=[([2, 3], [], torch.float32), ([3], [], torch.float32)],
                          fixed=[workspace],
                          tensors=[native.SAVED, 0, native.GRAD, 0, native.ALLOC, 0, native.SAVED, 1, native.SAVED, 2,
                                   native.FIXED, 0, native.ALLOC, 1],
-                         grad_dtypes=[torch.float32], input_grads=[native.ALLOC, 0, native.ALLOC, 1])
+                         grad_layouts=[([2, 3], [], torch.float32)], input_grads=[native.ALLOC, 0, native.ALLOC, 1])
     return program, workspace
 
 
@@ -95,15 +95,17 @@ def test_the_autograd_node_gives_each_input_the_gradient_its_launch_wrote(captur
     program, workspace = _norm_like_program(capture)
     x = torch.randn(2, 3, requires_grad=True)
     w = torch.randn(3, requires_grad=True)
-    (y,) = capture.run(program, [x, w], [])
+    (y,) = capture.run(program, [x, w], [], 0x5123)
     assert y.shape == (2, 3) and y.dtype == torch.float32 and y.grad_fn is not None
     (forward,) = capture.take_log()
     x_at, y_at, w_at, stats_at = (_pointer(word) for word in _words(forward)[:4])
     assert (x_at, y_at, w_at) == (x.data_ptr(), y.data_ptr(), w.data_ptr()) and stats_at not in (0, x_at, y_at)
     # a gradient of another dtype, not contiguous: the backward gets it contiguous in the recorded dtype
     grad = torch.randn(3, 2, dtype=torch.float64).t()
+    # the backward runs on its forward's stream, as torch's backward ops do
     y.backward(grad)
     (backward,) = capture.take_log()
+    assert forward[5] == backward[5] == 0x5123
     saved_x, dy, dx, saved_w, saved_stats, held, dw = (_pointer(word) for word in _words(backward)[:7])
     assert (saved_x, saved_w, saved_stats, held) == (x.data_ptr(), w.data_ptr(), stats_at, workspace.data_ptr())
     assert dy not in (grad.data_ptr(), 0)
@@ -114,10 +116,10 @@ def test_the_autograd_node_gives_each_input_the_gradient_its_launch_wrote(captur
 def test_without_a_gradient_to_compute_no_node_is_made(capture):
     program, _ = _norm_like_program(capture)
     x, w = torch.randn(2, 3), torch.randn(3)
-    (y,) = capture.run(program, [x, w], [])
+    (y,) = capture.run(program, [x, w], [], 0)
     assert y.grad_fn is None
     with torch.no_grad():
-        (y,) = capture.run(program, [x.requires_grad_(), w], [])
+        (y,) = capture.run(program, [x.requires_grad_(), w], [], 0)
     assert y.grad_fn is None
     assert len(capture.take_log()) == 2
 
@@ -126,7 +128,7 @@ def test_a_misaligned_input_launches_nothing_and_asks_for_the_python_path(captur
     program, _ = _norm_like_program(capture)
     x = torch.randn(7)[1:7].view(2, 3)  # 4 bytes past a 16-byte boundary
     assert x.data_ptr() % 16
-    assert capture.run(program, [x, torch.randn(3)], []) is None
+    assert capture.run(program, [x, torch.randn(3)], [], 0) is None
     assert capture.take_log() == []
 
 
@@ -153,12 +155,66 @@ def test_a_recorded_launch_keeps_triton_launchers_parameters_in_order(monkeypatc
     form = prepared.native_form()
     assert form == {"function": function, "grid": [16, 1, 1], "block": 256, "shared": 4096, "cooperative": True,
                     "params": [("ptr", 0), ("ptr", 0), ("i32", 4096), ("i32", 0), ("fp32", 0.5)],
-                    "tensor_slots": [0, 1, 1, 0], "int_slots": [3, 0], "device": 0}
+                    "tensor_slots": [0, 1, 1, 0], "int_slots": [3, 0], "tma": [], "device": 0}
     # what the tier cannot replay: a launcher behind a Python wrapper, clusters, programmatic launch
     for other in ((lambda *a: None, function, leading, (1024,)),
                   (len, function, (True, False, None, None, (8, 2, 4096), None, None, None), (1024,)),
                   (len, function, (True, True, None, None, (8, 1, 4096), None, None, None), (1024,))):
         assert launch_module.PreparedLaunch(other, (16, 1, 1), values, [], [], 0).native_form() is None
+
+
+def make_tensordesc_arg(arg, meta):  # what ``_unwrap_tensordesc_launcher`` finds beside Triton's launcher wrapper
+    raise AssertionError("a replay from C++ encodes its tensor maps itself")
+
+
+def _tensordesc_wrapper(launcher, tensordesc_indices, tensordesc_meta):
+    def inner(*args):  # the shape of Triton 3.6's ``wrap_handle_tensordesc`` wrapper
+        return launcher, tensordesc_indices, tensordesc_meta
+
+    return inner
+
+
+def test_a_tma_argument_becomes_its_tensor_map_encoded_as_tritons_launcher_encodes_it(monkeypatch, capture):
+    """A TMA parameter: the tensor map over the call's tensor (encoded once per address, as Triton's launcher does:
+    sizes and tile innermost first, byte strides without the innermost), then the tensor's shape and strides."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    from kernels._common import launch as launch_module
+
+    names = ["desc", "out_ptr", "n", "BLOCK"]
+    signature = {"desc": "tensordesc<bf16[64, 32]>", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    compiled = __import__("types").SimpleNamespace(src=__import__("types").SimpleNamespace(signature=signature))
+    function = 0x7A
+    monkeypatch.setitem(launch_module._COMPILED_BY_FUNCTION, function, (compiled, names))
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [64, 32], "fp4_padded": False}
+    wrapper = _tensordesc_wrapper(len, {0}, [meta])
+    leading = (False, False, None, None, (4, 1, 32768), None, None, None)
+    values = [None, 0, 100]
+    prepared = launch_module.PreparedLaunch.__new__(launch_module.PreparedLaunch)
+    prepared._entry, prepared._grid, prepared._values = (wrapper, function, leading, (64,)), (2, 1, 1), values
+    prepared._tensor_slots, prepared._int_slots, prepared._device = [(1, 1)], [], 0
+    prepared._tma_slots, prepared._expanded = ((0, 0, (64, 32), None),), None
+    source = torch.zeros(100, 48, dtype=torch.bfloat16)[:, :40]  # strided rows
+    out = torch.zeros(4)
+    form = prepared.native_form((source, out))
+    assert form["params"] == [("tma", None), ("i32", 100), ("i32", 40), ("i64", 48), ("i64", 1), ("ptr", 0),
+                              ("i32", 100)]
+    assert form["tensor_slots"] == [5, 1]
+    launch = native_tier.launches(launch_module.RecordedCall((prepared,)), (source, out), capture)[0]
+    program = capture.Program(device=torch.device("cpu"), launches=[launch], allocs=[], fixed=[],
+                              tensors=[capture.INPUT, 0, capture.INPUT, 1], outputs=[], saved=[])
+    for _ in range(2):
+        capture.run(program, [source, out], [], 0)
+    (encoding,) = capture.take_encodings()  # the second call's map came from the cache
+    assert encoding == {"address": source.data_ptr(), "elem_type": TMA_DTYPE_DEVICE_TO_HOST[9], "dims": [40, 100],
+                        "strides": [96], "box": [32, 64], "swizzle": 3, "fill": 0}
+    first, second = capture.take_log()
+    assert first[3] == 32768 and first[6] == second[6]
+    words = first[6]
+    assert len(words[0]) == 128 and _pointer(words[0][:8]) == source.data_ptr()  # capture mode's stand-in map
+    assert [struct.unpack("<i", w)[0] for w in words[1:3]] == [100, 40]
+    assert [struct.unpack("<q", w)[0] for w in words[3:5]] == [48, 1]
+    assert _pointer(words[5]) == out.data_ptr() and struct.unpack("<i", words[6])[0] == 100
 
 
 def test_the_interpreter_never_takes_the_tier(monkeypatch):
@@ -188,7 +244,7 @@ def _norm_calls(fn, x, w, b, dy, deterministic):
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(8, 1024), (2, 5, 2048), (3, 96)])
-@pytest.mark.parametrize("affine", ["weight+bias", "weight", "none"])
+@pytest.mark.parametrize("affine", ["weight+bias", "weight", "bias", "none"])
 def test_native_norms_equal_the_python_path_bit_for_bit(native, monkeypatch, kind, dtype, shape, affine):
     import kernels.layernorm.ops as ops
     from kernels.layernorm import layer_norm, rms_norm
@@ -197,9 +253,11 @@ def test_native_norms_equal_the_python_path_bit_for_bit(native, monkeypatch, kin
     torch.manual_seed(0)
     n = shape[-1]
     x = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True)
-    w = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True) if affine != "none" else None
+    if kind == "rms_norm" and affine == "bias":
+        pytest.skip("RMSNorm has no bias")
+    w = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True) if "weight" in affine else None
     b = (torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True)
-         if affine == "weight+bias" and kind == "layer_norm" else None)
+         if "bias" in affine and kind == "layer_norm" else None)
     dy = torch.randn(shape, device=DEVICE, dtype=dtype)
     monkeypatch.setattr(native_tier, "NATIVE", False)
     python = _norm_calls(fn, x, w, b, dy, deterministic=True)
@@ -267,3 +325,70 @@ def test_native_dropout_equals_the_python_path_bit_for_bit(native, monkeypatch, 
     first = dropout(x, 0.3)
     torch.manual_seed(5)
     assert torch.equal(dropout(x, 0.3), first) and not torch.equal(dropout(x, 0.3), first)
+
+
+def _attention_calls(q, k, v, do, **kwargs):
+    """Three calls (plan, program built, program replayed): each call's output, log-sum-exp and gradients."""
+    from kernels.attention import flash_attention
+
+    out = []
+    for _ in range(3):
+        for t in (q, k, v):
+            t.grad = None
+        o, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
+        o.backward(do)
+        out.append([o.detach().clone(), lse.clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()])
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "hq", "hkv", "sq", "sk", "d"), [(2, 4, 4, 256, 256, 64), (1, 8, 2, 200, 333, 128),
+                                                               (2, 4, 1, 128, 128, 96)])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("options", [{"causal": True}, {}, {"dropout_p": 0.25, "seed": 7}, {"window_size": (32, 0)}])
+def test_native_attention_equals_the_python_path_bit_for_bit(native, monkeypatch, dtype, b, hq, hkv, sq, sk, d,
+                                                             layout, options):
+    import kernels.attention.ops as ops
+
+    torch.manual_seed(0)
+
+    def make(heads, seq):
+        if layout == "bshd":  # a (B, S, H, D) tensor viewed as (B, H, S, D), as transformers passes it
+            return torch.randn(b, seq, heads, d, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_(True)
+        return torch.randn(b, heads, seq, d, device=DEVICE, dtype=dtype, requires_grad=True)
+
+    q, k, v = make(hq, sq), make(hkv, sk), make(hkv, sk)
+    do = torch.randn(b, hq, sq, d, device=DEVICE, dtype=dtype)
+    kwargs = {"deterministic": True, **options}  # dQ summed in a fixed order, so two runs compare bit for bit
+    monkeypatch.setattr(native_tier, "NATIVE", False)
+    python = _attention_calls(q, k, v, do, **kwargs)
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    ops._NATIVE_CALLS._entries.clear()
+    compiled = _attention_calls(q, k, v, do, **kwargs)
+    assert any(program is not False for program in ops._NATIVE_CALLS._entries.values()), "no program was built"
+    for got in compiled:
+        for name, a, e in zip(("o", "lse", "dq", "dk", "dv"), got, python[0], strict=True):
+            assert a.stride() == e.stride() and torch.equal(a, e), name
+
+
+@pytest.mark.cuda
+def test_native_attention_with_arrival_order_dq_matches_within_rounding(native, monkeypatch):
+    """The default backward (dQ added up in arrival order on Hopper): equal to the Python path to rounding, and
+    inference calls (no gradient) replay too."""
+    import kernels.attention.ops as ops
+    from kernels.attention import flash_attention
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 8, 512, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    monkeypatch.setattr(native_tier, "NATIVE", False)
+    (expected, *_) = _attention_calls(q, k, v, do, causal=True)
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    ops._NATIVE_CALLS._entries.clear()
+    for got in _attention_calls(q, k, v, do, causal=True):
+        for a, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-2, atol=1e-2)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(flash_attention(q, k, v, causal=True), expected[0])

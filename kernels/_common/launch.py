@@ -352,27 +352,48 @@ class PreparedLaunch:
         self._tma_slots = tuple(tma_slots)
         self._expanded = _ExpandedTmaLaunch.of(self) if self._tma_slots else None
 
-    def native_form(self) -> dict | None:
+    def native_form(self, tensors: tuple = ()) -> dict | None:
         """This launch as the compiled tier (``kernels/_native``) takes it: the kernel's CUfunction, grid, block and
         shared memory, each parameter Triton's launcher passes (``(type, recorded value)``: constexprs left out,
-        pointers as ``"ptr"``), which parameters take the call's tensors and ints; None for what that tier does not
-        replay (TMA arguments, clusters, programmatic launch, a launcher wrapper, scratch memory)."""
+        pointers as ``"ptr"``, a TMA argument as ``"tma"`` then its shape and strides), which parameters take the
+        call's tensors and ints, and how each tensor map is encoded (read off ``tensors``, the recorded call's, whose
+        shapes and strides the op's signature fixes); None for what that tier does not replay (clusters,
+        programmatic launch, a launcher wrapper of another kind, scratch memory, FP4 tensor maps)."""
         launch, function, leading, tail = self._entry
         compiled_and_names = _COMPILED_BY_FUNCTION.get(function)
-        if self._tma_slots or compiled_and_names is None or len(leading) != 8:
+        if compiled_and_names is None or len(leading) != 8:
             return None
         compiled, names = compiled_and_names
         cooperative, pdl, _, _, (num_warps, num_ctas, shared), *_ = leading
-        if pdl or num_ctas != 1 or getattr(launch, "__self__", None) is None:
+        if pdl or num_ctas != 1:
+            return None
+        tensordesc_meta = ()
+        if self._tma_slots:
+            unwrapped = _unwrap_tensordesc_launcher(launch)
+            if unwrapped is None:
+                return None
+            launch, _, tensordesc_meta, _ = unwrapped
+        if getattr(launch, "__self__", None) is None:  # a Python wrapper: it does work a replay would skip
             return None
         signature = compiled.src.signature
-        params, param_of = [], {}
+        tma_of = {position: index for position, index, *_ in self._tma_slots}
+        params, param_of, tma = [], {}, []
+        descriptors = iter(tensordesc_meta)
         for position, value in enumerate([*self._values, *tail]):
             kind = signature.get(names[position]) if position < len(names) else "constexpr"
             if kind is None or kind == "constexpr":
                 continue
-            if not isinstance(kind, str) or kind.startswith("tensordesc"):
+            if not isinstance(kind, str):
                 return None
+            if kind.startswith("tensordesc"):
+                meta = next(descriptors, None)
+                if position not in tma_of or tma_of[position] >= len(tensors) or meta is None or meta["fp4_padded"]:
+                    return None
+                tensor = tensors[tma_of[position]]
+                tma.append(_tensor_map_form(tensor, tma_of[position], meta, len(params)))
+                params.append(("tma", None))
+                params += [("i32", size) for size in tensor.shape] + [("i64", stride) for stride in tensor.stride()]
+                continue
             param_of[position] = len(params)
             params.append(("ptr" if kind.startswith("*") else kind, value))
         tensor_slots = [i for position, index in self._tensor_slots for i in (param_of[position], index)]
@@ -380,7 +401,7 @@ class PreparedLaunch:
                      for i in (param_of[position], index)]
         return {"function": function, "grid": list(self._grid), "block": 32 * num_warps, "shared": shared,
                 "cooperative": bool(cooperative), "params": params, "tensor_slots": tensor_slots,
-                "int_slots": int_slots, "device": self._device}
+                "int_slots": int_slots, "tma": tma, "device": self._device}
 
     def __call__(self, addresses: list, ints: tuple, tensors: tuple = ()) -> None:
         if self._expanded is not None:
@@ -474,6 +495,20 @@ class _ExpandedTmaLaunch:
         self._launch(g0, g1, g2, _current_raw_stream(self._device), self._function, *self._leading, *args)
 
 
+def _tensor_map_form(tensor: torch.Tensor, index: int, meta: dict, param: int) -> dict:
+    """How the compiled tier encodes the tensor map of a TMA parameter over tensor ``index`` of a call: what Triton's
+    launcher passes to ``cuTensorMapEncodeTiled`` (``fill_tma_descriptor`` in its NVIDIA driver): the element type
+    code, the swizzle, no out-of-bounds NaN fill (our tiles pad with zeros), the sizes and the tile innermost first,
+    the strides in bytes innermost first without the innermost one."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    rank = tensor.dim()
+    return {"param": param, "tensor": index, "elem_type": TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+            "swizzle": meta["swizzle"], "fill": 0, "dims": list(reversed(tensor.shape)),
+            "strides": [meta["elem_size"] * tensor.stride(i) for i in reversed(range(rank - 1))],
+            "box": list(reversed(meta["block_size"]))}
+
+
 def _unwrap_tensordesc_launcher(launch):
     """``(compiled launcher, tensordesc indices, tensordesc metadata, make_tensordesc_arg)`` behind Triton 3.6's
     ``wrap_handle_tensordesc`` wrapper ``launch``, or None when ``launch`` is not that wrapper."""
@@ -514,9 +549,10 @@ class RecordedCall:
     def __init__(self, launches: tuple[PreparedLaunch, ...]):
         self._launches = launches
 
-    def native_forms(self) -> list[dict] | None:
-        """Each launch's :meth:`PreparedLaunch.native_form`; None when one has none."""
-        forms = [launch.native_form() for launch in self._launches]
+    def native_forms(self, tensors: tuple = ()) -> list[dict] | None:
+        """Each launch's :meth:`PreparedLaunch.native_form` (``tensors``: a call's with this recording's signature);
+        None when one has none."""
+        forms = [launch.native_form(tensors) for launch in self._launches]
         return None if any(form is None for form in forms) else forms
 
     def __call__(self, tensors: tuple, ints: tuple = ()) -> bool:

@@ -14,8 +14,13 @@ takes the Python path, as it does under the Triton interpreter, under torch.comp
 the reference: tests compare the two bit for bit, and run the programs on CPU in capture mode (launches logged, not
 run) to check what each launch is given.
 
-Limits: what recorded launches cannot replay (TMA arguments, clusters, kernels with scratch memory) has no program;
-a program is built for one op signature on one stream, for contiguous tensors (anything else takes the Python path).
+Programs: ``layer_norm`` and ``rms_norm`` (the single-kernel backward's widths), ``dropout`` (not in place) and dense
+``flash_attention`` (Hopper kernels included: their TMA arguments are encoded in C++, each map kept by address).
+
+Limits: what recorded launches cannot replay (clusters, programmatic launch, kernels with scratch memory) has no
+program; a program is built for one op signature (strides included) on one stream, and every other call takes the
+Python path, as do calls under CUDA graph capture, with launch hooks installed, or with tensors off 16-byte
+alignment. A backward's gradient is made contiguous (or into the recorded layout) when it arrives in another.
 """
 
 from __future__ import annotations
@@ -66,11 +71,12 @@ def active() -> bool:
     return NATIVE and not INTERPRETER and not hooks_installed() and module() is not None
 
 
-def launches(recorded: RecordedCall | bool | None, native=None) -> list | None:
-    """The extension's launches of a recorded call; None when there is none or one cannot be replayed here."""
+def launches(recorded: RecordedCall | bool | None, tensors: tuple, native=None) -> list | None:
+    """The extension's launches of a recorded call (``tensors``: a call's with its signature, whose shapes and strides
+    the tensor maps read); None when there is none or one cannot be replayed here."""
     if not recorded:
         return None
-    forms = recorded.native_forms()
+    forms = recorded.native_forms(tensors)
     if forms is None:
         return None
     native = native or module()
@@ -78,6 +84,8 @@ def launches(recorded: RecordedCall | bool | None, native=None) -> list | None:
     for form in forms:
         form = dict(form)
         form.pop("device")
+        for tma in form["tma"]:
+            tma.pop("param")
         out.append(native.Launch(**form))
     return out
 
@@ -98,9 +106,9 @@ class Refs:
 
     def __init__(self, native):
         self.native = native
-        self.pairs: list[int] = []
-        self.allocs: list[tuple[list[int], torch.dtype]] = []
+        self.allocs: list[tuple[list[int], list[int], torch.dtype]] = []
         self.fixed: list[torch.Tensor] = []
+        self.copies: list[tuple] = []
 
     def none(self) -> tuple[int, int]:
         return self.native.NONE, 0
@@ -108,9 +116,21 @@ class Refs:
     def of(self, kind: str, index: int) -> tuple[int, int]:
         return getattr(self.native, kind), index
 
-    def alloc(self, sizes: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
-        self.allocs.append((list(sizes), dtype))
+    def alloc(self, sizes: Sequence[int], dtype: torch.dtype, strides: Sequence[int] | None = None) -> tuple[int, int]:
+        """A tensor the stage allocates: contiguous, or with ``strides``."""
+        self.allocs.append(layout(sizes, dtype, strides))
         return self.native.ALLOC, len(self.allocs) - 1
+
+    def like(self, t: torch.Tensor) -> tuple[int, int]:
+        """A tensor the stage allocates with ``t``'s sizes, strides and dtype."""
+        return self.alloc(t.shape, t.dtype, None if t.is_contiguous() else t.stride())
+
+    def copy(self, source: tuple[int, int], like: torch.Tensor) -> tuple[int, int]:
+        """A tensor made after the stage's launches: ``source`` narrowed to ``like``'s last size and copied into a
+        tensor of ``like``'s sizes, strides and dtype."""
+        self.copies.append((layout(like.shape, like.dtype, None if like.is_contiguous() else like.stride()),
+                            *source))
+        return self.native.COPY, len(self.copies) - 1
 
     def hold(self, tensor: torch.Tensor) -> tuple[int, int]:
         self.fixed.append(tensor)
@@ -119,3 +139,12 @@ class Refs:
     @staticmethod
     def flat(refs: Sequence[tuple[int, int]]) -> list[int]:
         return [i for ref in refs for i in ref]
+
+
+def layout(sizes: Sequence[int], dtype: torch.dtype, strides: Sequence[int] | None = None) -> tuple:
+    """The extension's description of a tensor to make: sizes, strides (empty: contiguous), dtype."""
+    return list(sizes), [] if strides is None else list(strides), dtype
+
+
+#: a gradient the backward does not read (an output that is not differentiated)
+UNREAD = ([-1], [], torch.float32)

@@ -4,12 +4,14 @@
 // its forward launches, the tensors it allocates, the outputs it returns, and (optionally) its backward launches
 // behind a C++ autograd node. A call through it costs the pybind11 argument conversion, one allocation per output
 // or temporary, one cuLaunchKernel per launch and, with autograd, a C++ node: no Python runs in the backward.
+// TMA arguments are encoded here (cuTensorMapEncodeTiled, as Triton's launcher does) and kept per address.
 //
-// Limits: what a program can replay is what a recording can (kernels without scratch memory, TMA arguments or
-// clusters); the Python side builds programs and decides when one applies (same signature, same stream,
-// contiguous tensors), and every other call takes the Python path. The driver is reached through dlopen, and the
-// current stream through c10's device-guard interface, so the extension builds against any torch (CPU builds
-// included: tests run programs in "capture" mode, where launches are logged instead of run).
+// Limits: what a program can replay is what a recording can (kernels without scratch memory, clusters or
+// programmatic launch); the Python side builds programs and decides when one applies (same signature, same stream,
+// the recorded layouts), and every other call takes the Python path. The driver is reached through dlopen, and the
+// caller names the stream (the backward runs on its forward's, as torch's backward ops do), so the extension builds
+// against any torch with no CUDA headers (CPU builds included: tests run programs in "capture" mode, where launches
+// and tensor-map encodings are logged instead of run).
 //
 // The trade-off: the Python path stays the reference and the fallback; this file knows nothing of any op (a
 // program is data), so a new op needs no C++.
@@ -17,12 +19,13 @@
 #include <torch/extension.h>
 
 #include <c10/core/DeviceGuard.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
 
+#include <array>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -37,11 +40,14 @@ using LaunchKernelFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigne
                                     void*, void**, void**);
 using LaunchCooperativeFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                          unsigned, void*, void**);
+using EncodeTiledFn = CUresult (*)(void*, int, uint32_t, void*, const uint64_t*, const uint64_t*, const uint32_t*,
+                                   const uint32_t*, int, int, int, int);
 using ErrorStringFn = CUresult (*)(CUresult, const char**);
 
 struct Driver {
   LaunchKernelFn launch = nullptr;
   LaunchCooperativeFn launch_cooperative = nullptr;
+  EncodeTiledFn encode_tiled = nullptr;
   ErrorStringFn error_string = nullptr;
 };
 
@@ -53,11 +59,19 @@ const Driver& driver() {
     TORCH_CHECK(lib != nullptr, "fused_kernels native: cannot open libcuda.so.1");
     out.launch = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
     out.launch_cooperative = reinterpret_cast<LaunchCooperativeFn>(dlsym(lib, "cuLaunchCooperativeKernel"));
+    out.encode_tiled = reinterpret_cast<EncodeTiledFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
     out.error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib, "cuGetErrorString"));
     TORCH_CHECK(out.launch && out.launch_cooperative, "fused_kernels native: libcuda.so.1 lacks cuLaunchKernel");
     return out;
   }();
   return d;
+}
+
+void check_driver(CUresult result, const char* what) {
+  if (result == 0) return;
+  const char* message = "unknown error";
+  if (driver().error_string != nullptr) driver().error_string(result, &message);
+  TORCH_CHECK(false, "fused_kernels native: ", what, " failed: ", message);
 }
 
 // ---- capture mode (tests without a GPU) ---------------------------------------------------------------------
@@ -72,29 +86,57 @@ struct LoggedLaunch {
   std::vector<std::string> params;  // each parameter's bytes, as the kernel receives them
 };
 
+struct LoggedEncoding {
+  uint64_t address;
+  int elem_type;
+  std::vector<uint64_t> dims, strides;  // innermost first, as the driver takes them
+  std::vector<uint32_t> box;
+  int swizzle, fill;
+};
+
 bool capture_mode = false;
 std::mutex log_mutex;
 std::vector<LoggedLaunch> launch_log;
+std::vector<LoggedEncoding> encoding_log;
 
 // ---- launches ----------------------------------------------------------------------------------------------------
 
+constexpr size_t kTensorMapBytes = 128;
+constexpr size_t kMapsPerSlot = 256;  // encoded maps kept per TMA parameter (addresses the allocator hands out)
+
+// A TMA parameter: the tensor map over one of the call's tensors, for a tile fixed by the kernel; the shape and
+// strides are the recorded ones (the op's signature fixes them), so only the address changes from call to call.
+struct TmaSlot {
+  int64_t param = 0;
+  int64_t tensor = 0;
+  int elem_type = 0;
+  int swizzle = 0;
+  int fill = 0;
+  std::vector<uint64_t> dims, strides;  // innermost first; strides in bytes, rank - 1 of them
+  std::vector<uint32_t> box;            // innermost first
+  std::shared_ptr<std::mutex> mutex = std::make_shared<std::mutex>();
+  std::shared_ptr<std::unordered_map<uint64_t, std::array<uint64_t, 16>>> maps =
+      std::make_shared<std::unordered_map<uint64_t, std::array<uint64_t, 16>>>();
+};
+
 // One recorded kernel launch: the compiled kernel's CUfunction, its launch shape, and its parameters as the
 // kernel takes them (Triton's launcher passes every non-constexpr argument by address, then two scratch pointers);
-// the parameters that each call fills: tensor addresses and per-call ints.
+// the parameters that each call fills: tensor addresses, per-call ints and tensor maps.
 struct Launch {
   uint64_t function = 0;
   unsigned grid[3] = {1, 1, 1};
   unsigned block = 128;
   unsigned shared = 0;
   bool cooperative = false;
-  std::vector<uint64_t> words;          // one 8-byte slot per parameter (each parameter at most 8 bytes)
-  std::vector<int64_t> tensor_slots;    // pairs: parameter index, tensor index
-  std::vector<int64_t> int_slots;       // triples: parameter index, int index, width in bytes
-  std::vector<int64_t> widths;          // each parameter's width in bytes (for the log)
+  std::vector<uint64_t> words;    // the parameters, each at a word offset (tensor maps 64-byte aligned)
+  std::vector<size_t> offsets;    // each parameter's first word
+  std::vector<size_t> widths;     // each parameter's bytes
+  std::vector<int64_t> tensor_slots;  // pairs: parameter index, tensor index
+  std::vector<int64_t> int_slots;     // pairs: parameter index, int index
+  std::vector<TmaSlot> tma_slots;
 };
 
-uint64_t pack_param(const std::string& type, const py::handle& value, int64_t* width) {
-  uint64_t word = 0;
+uint64_t pack_param(const std::string& type, const py::handle& value, size_t* width) {
   // two's complement of any Python int (bools included), as Triton's launcher passes it
   auto int_of = [&]() -> uint64_t {
     if (value.is_none()) return 0;
@@ -104,36 +146,43 @@ uint64_t pack_param(const std::string& type, const py::handle& value, int64_t* w
   };
   if (type == "ptr" || type == "i64" || type == "u64") {
     *width = 8;
-    word = int_of();
-  } else if (type == "i32" || type == "u32") {
+    return int_of();
+  }
+  if (type == "i32" || type == "u32") {
     *width = 4;
-    word = int_of() & 0xffffffffull;
-  } else if (type == "i16" || type == "u16") {
+    return int_of() & 0xffffffffull;
+  }
+  if (type == "i16" || type == "u16") {
     *width = 2;
-    word = int_of() & 0xffffull;
-  } else if (type == "i8" || type == "u8" || type == "i1" || type == "u1") {
+    return int_of() & 0xffffull;
+  }
+  if (type == "i8" || type == "u8" || type == "i1" || type == "u1") {
     *width = 1;
-    word = int_of() & 0xffull;
-  } else if (type == "fp32" || type == "f32") {
+    return int_of() & 0xffull;
+  }
+  if (type == "fp32" || type == "f32") {
     *width = 4;
-    float f = static_cast<float>(py::cast<double>(value));
+    const float f = static_cast<float>(py::cast<double>(value));
     uint32_t bits;
     std::memcpy(&bits, &f, 4);
-    word = bits;
-  } else if (type == "fp64") {
-    *width = 8;
-    double d = py::cast<double>(value);
-    std::memcpy(&word, &d, 8);
-  } else {
-    TORCH_CHECK(false, "fused_kernels native: no parameter of type ", type);
+    return bits;
   }
-  return word;
+  if (type == "fp64") {
+    *width = 8;
+    const double d = py::cast<double>(value);
+    uint64_t bits;
+    std::memcpy(&bits, &d, 8);
+    return bits;
+  }
+  TORCH_CHECK(false, "fused_kernels native: no parameter of type ", type);
 }
 
-
+// ``tma``: one dict per TMA parameter (its index among ``params``, whose type is "tma"): tensor, elem_type, swizzle,
+// fill, dims, strides (bytes), box, all innermost first.
 std::shared_ptr<Launch> make_launch(uint64_t function, std::vector<int64_t> grid, int64_t block, int64_t shared,
                                     bool cooperative, const std::vector<std::pair<std::string, py::object>>& params,
-                                    std::vector<int64_t> tensor_slots, std::vector<int64_t> int_slots) {
+                                    std::vector<int64_t> tensor_slots, std::vector<int64_t> int_slots,
+                                    const std::vector<py::dict>& tma) {
   TORCH_CHECK(grid.size() == 3, "grid must have 3 entries");
   TORCH_CHECK(tensor_slots.size() % 2 == 0 && int_slots.size() % 2 == 0, "slots come in pairs");
   auto launch = std::make_shared<Launch>();
@@ -142,10 +191,21 @@ std::shared_ptr<Launch> make_launch(uint64_t function, std::vector<int64_t> grid
   launch->block = static_cast<unsigned>(block);
   launch->shared = static_cast<unsigned>(shared);
   launch->cooperative = cooperative;
+  std::vector<int64_t> tma_params;
   for (const auto& [type, value] : params) {
-    int64_t width = 0;
-    launch->words.push_back(pack_param(type, value, &width));
+    if (type == "tma") {
+      const size_t start = (launch->words.size() + 7) / 8 * 8;  // 64-byte aligned within the (aligned) buffer
+      launch->words.resize(start + kTensorMapBytes / 8, 0);
+      launch->offsets.push_back(start);
+      launch->widths.push_back(kTensorMapBytes);
+      tma_params.push_back(static_cast<int64_t>(launch->offsets.size()) - 1);
+      continue;
+    }
+    size_t width = 0;
+    const uint64_t word = pack_param(type, value, &width);
+    launch->offsets.push_back(launch->words.size());
     launch->widths.push_back(width);
+    launch->words.push_back(word);
   }
   const auto n_params = static_cast<int64_t>(params.size());
   for (size_t i = 0; i < tensor_slots.size(); i += 2) {
@@ -153,38 +213,90 @@ std::shared_ptr<Launch> make_launch(uint64_t function, std::vector<int64_t> grid
                 "tensor slot ", tensor_slots[i], " is not a pointer parameter");
   }
   for (size_t i = 0; i < int_slots.size(); i += 2) {
-    TORCH_CHECK(int_slots[i] >= 0 && int_slots[i] < n_params, "int slot out of range");
-    launch->int_slots.push_back(int_slots[i]);
-    launch->int_slots.push_back(int_slots[i + 1]);
-    launch->int_slots.push_back(launch->widths[int_slots[i]]);
+    TORCH_CHECK(int_slots[i] >= 0 && int_slots[i] < n_params && launch->widths[int_slots[i]] <= 8,
+                "int slot out of range");
+  }
+  TORCH_CHECK(tma.size() == tma_params.size(), "one TMA description per \"tma\" parameter");
+  for (size_t i = 0; i < tma.size(); ++i) {
+    TmaSlot slot;
+    slot.param = tma_params[i];
+    slot.tensor = tma[i]["tensor"].cast<int64_t>();
+    slot.elem_type = tma[i]["elem_type"].cast<int>();
+    slot.swizzle = tma[i]["swizzle"].cast<int>();
+    slot.fill = tma[i]["fill"].cast<int>();
+    slot.dims = tma[i]["dims"].cast<std::vector<uint64_t>>();
+    slot.strides = tma[i]["strides"].cast<std::vector<uint64_t>>();
+    slot.box = tma[i]["box"].cast<std::vector<uint32_t>>();
+    TORCH_CHECK(!slot.dims.empty() && slot.dims.size() <= 5 && slot.box.size() == slot.dims.size() &&
+                    slot.strides.size() + 1 == slot.dims.size(),
+                "a TMA parameter needs dims, box and rank - 1 strides (rank 1 to 5)");
+    launch->tma_slots.push_back(std::move(slot));
   }
   launch->tensor_slots = std::move(tensor_slots);
+  launch->int_slots = std::move(int_slots);
   return launch;
+}
+
+void encode_map(const TmaSlot& slot, uint64_t address, uint64_t* map) {
+  if (capture_mode) {
+    std::memset(map, 0, kTensorMapBytes);
+    map[0] = address;  // stands for the map in the log of the launch
+    std::lock_guard<std::mutex> lock(log_mutex);
+    encoding_log.push_back({address, slot.elem_type, slot.dims, slot.strides, slot.box, slot.swizzle, slot.fill});
+    return;
+  }
+  const Driver& d = driver();
+  TORCH_CHECK(d.encode_tiled != nullptr, "fused_kernels native: libcuda.so.1 lacks cuTensorMapEncodeTiled");
+  const uint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  // interleave none (0), L2 promotion of 128 bytes (2), as Triton's launcher encodes its maps
+  check_driver(d.encode_tiled(map, slot.elem_type, static_cast<uint32_t>(slot.dims.size()),
+                              reinterpret_cast<void*>(address), slot.dims.data(), slot.strides.data(),
+                              slot.box.data(), element_strides, 0, slot.swizzle, 2, slot.fill),
+               "cuTensorMapEncodeTiled");
 }
 
 void run_launch(const Launch& launch, const std::vector<uint64_t>& addresses, const std::vector<int64_t>& ints,
                 void* stream) {
-  // the parameter values, then Triton's two scratch pointers (none: such kernels are never recorded)
-  const size_t n = launch.words.size();
-  std::vector<uint64_t> words(launch.words);
-  words.push_back(0);
-  words.push_back(0);
+  const size_t n = launch.offsets.size();
+  // the parameter words on a 64-byte boundary, then Triton's two scratch pointers (none: such kernels are never
+  // recorded)
+  std::vector<uint64_t> storage(launch.words.size() + 2 + 8);
+  uint64_t* words = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  std::memcpy(words, launch.words.data(), launch.words.size() * 8);
+  words[launch.words.size()] = 0;
+  words[launch.words.size() + 1] = 0;
   for (size_t i = 0; i < launch.tensor_slots.size(); i += 2) {
-    words[launch.tensor_slots[i]] = addresses[launch.tensor_slots[i + 1]];
+    words[launch.offsets[launch.tensor_slots[i]]] = addresses[launch.tensor_slots[i + 1]];
   }
-  for (size_t i = 0; i < launch.int_slots.size(); i += 3) {
-    const uint64_t mask = launch.int_slots[i + 2] >= 8 ? ~0ull : ((1ull << (8 * launch.int_slots[i + 2])) - 1);
-    words[launch.int_slots[i]] = static_cast<uint64_t>(ints[launch.int_slots[i + 1]]) & mask;
+  for (size_t i = 0; i < launch.int_slots.size(); i += 2) {
+    const size_t width = launch.widths[launch.int_slots[i]];
+    const uint64_t mask = width >= 8 ? ~0ull : ((1ull << (8 * width)) - 1);
+    words[launch.offsets[launch.int_slots[i]]] = static_cast<uint64_t>(ints[launch.int_slots[i + 1]]) & mask;
+  }
+  for (const TmaSlot& slot : launch.tma_slots) {
+    const uint64_t address = addresses[slot.tensor];
+    uint64_t* map = words + launch.offsets[slot.param];
+    std::lock_guard<std::mutex> lock(*slot.mutex);
+    auto found = slot.maps->find(address);
+    if (found == slot.maps->end()) {
+      if (slot.maps->size() >= kMapsPerSlot) slot.maps->clear();
+      std::array<uint64_t, 16> encoded{};
+      encode_map(slot, address, encoded.data());
+      found = slot.maps->emplace(address, encoded).first;
+    }
+    std::memcpy(map, found->second.data(), kTensorMapBytes);
   }
   // little-endian: a parameter narrower than 8 bytes is the low bytes of its word, at the word's address
   std::vector<void*> params(n + 2);
-  for (size_t i = 0; i < n + 2; ++i) params[i] = &words[i];
+  for (size_t i = 0; i < n; ++i) params[i] = words + launch.offsets[i];
+  params[n] = words + launch.words.size();
+  params[n + 1] = words + launch.words.size() + 1;
   if (capture_mode) {
     LoggedLaunch logged{launch.function, {launch.grid[0], launch.grid[1], launch.grid[2]}, launch.block,
                         launch.shared, launch.cooperative, reinterpret_cast<uint64_t>(stream), {}};
     for (size_t i = 0; i < n + 2; ++i) {
-      const size_t width = i < n ? static_cast<size_t>(launch.widths[i]) : 8;
-      logged.params.emplace_back(reinterpret_cast<const char*>(&words[i]), width);
+      const size_t width = i < n ? launch.widths[i] : 8;
+      logged.params.emplace_back(reinterpret_cast<const char*>(params[i]), width);
     }
     std::lock_guard<std::mutex> lock(log_mutex);
     launch_log.push_back(std::move(logged));
@@ -193,27 +305,32 @@ void run_launch(const Launch& launch, const std::vector<uint64_t>& addresses, co
   if (static_cast<uint64_t>(launch.grid[0]) * launch.grid[1] * launch.grid[2] == 0) return;
   const Driver& d = driver();
   void* function = reinterpret_cast<void*>(launch.function);
-  CUresult result = launch.cooperative
-      ? d.launch_cooperative(function, launch.grid[0], launch.grid[1], launch.grid[2], launch.block, 1, 1,
-                             launch.shared, stream, params.data())
-      : d.launch(function, launch.grid[0], launch.grid[1], launch.grid[2], launch.block, 1, 1, launch.shared, stream,
-                 params.data(), nullptr);
-  if (result != 0) {
-    const char* message = "unknown error";
-    if (d.error_string != nullptr) d.error_string(result, &message);
-    TORCH_CHECK(false, "fused_kernels native: kernel launch failed: ", message);
-  }
+  check_driver(launch.cooperative
+                   ? d.launch_cooperative(function, launch.grid[0], launch.grid[1], launch.grid[2], launch.block, 1,
+                                          1, launch.shared, stream, params.data())
+                   : d.launch(function, launch.grid[0], launch.grid[1], launch.grid[2], launch.block, 1, 1,
+                              launch.shared, stream, params.data(), nullptr),
+               "kernel launch");
 }
 
 // ---- programs ----------------------------------------------------------------------------------------------------
 
 // Where a tensor of a stage comes from: the call's inputs, the stage's allocations, tensors the program holds
-// (workspaces), the gradients of the outputs, the tensors saved by the forward, or nothing (None).
-enum RefKind : int64_t { NONE = 0, INPUT = 1, ALLOC = 2, FIXED = 3, GRAD = 4, SAVED = 5 };
+// (workspaces), the gradients of the outputs, the tensors saved by the forward, the stage's copies (made after its
+// launches), or nothing (None).
+enum RefKind : int64_t { NONE = 0, INPUT = 1, ALLOC = 2, FIXED = 3, GRAD = 4, SAVED = 5, COPY = 6 };
 
+// A tensor a stage allocates: contiguous, or with the given strides (a layout the recorded launches were built for).
 struct Alloc {
-  std::vector<int64_t> sizes;
+  std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
+};
+
+// A tensor made after a stage's launches: ``source`` (a ref pair) narrowed to the allocation's last size, copied into
+// the allocation (a cast where the dtypes differ): an fp32 accumulator becoming a gradient in its input's dtype.
+struct Copy {
+  Alloc into;
+  int64_t source_kind, source_index;
 };
 
 struct Stage {
@@ -221,18 +338,26 @@ struct Stage {
   std::vector<Alloc> allocs;
   std::vector<at::Tensor> fixed;
   std::vector<int64_t> tensors;  // pairs: kind, index, in the order the recorded launches number them
+  std::vector<Copy> copies;
 };
 
 struct Program : torch::CustomClassHolder {
   at::Device device{at::kCPU};
   Stage forward;
-  std::vector<int64_t> outputs;  // pairs into the forward's tensors: what the call returns
-  std::vector<int64_t> saved;    // pairs into the forward's tensors: what the backward reads (SAVED index)
+  std::vector<int64_t> outputs;           // pairs into the forward's tensors: what the call returns
+  std::vector<int64_t> non_differentiable;  // indices into ``outputs``
+  std::vector<int64_t> saved;             // pairs into the forward's tensors: what the backward reads (SAVED index)
   bool has_backward = false;
   Stage backward;
-  std::vector<at::ScalarType> grad_dtypes;  // per output: the dtype its gradient is made (contiguous) in
-  std::vector<int64_t> input_grads;          // pairs into the backward's tensors, one per input: its gradient
+  std::vector<Alloc> grad_layouts;  // per output: the dtype and layout the backward takes its gradient in (sizes
+                                    // {-1}: not differentiated, its gradient not read)
+  std::vector<int64_t> input_grads;  // pairs into the backward's tensors, one per input: its gradient
 };
+
+at::Tensor allocate(const Alloc& alloc, const at::TensorOptions& options) {
+  if (alloc.strides.empty()) return at::empty(alloc.sizes, options.dtype(alloc.dtype));
+  return at::empty_strided(alloc.sizes, alloc.strides, options.dtype(alloc.dtype));
+}
 
 struct StageTensors {
   const std::vector<at::Tensor>* inputs = nullptr;
@@ -240,6 +365,7 @@ struct StageTensors {
   const std::vector<at::Tensor>* fixed = nullptr;
   const std::vector<at::Tensor>* grads = nullptr;
   const std::vector<at::Tensor>* saved = nullptr;
+  std::vector<at::Tensor> copies;
 
   at::Tensor get(int64_t kind, int64_t index) const {
     switch (kind) {
@@ -248,23 +374,21 @@ struct StageTensors {
       case FIXED: return (*fixed)[index];
       case GRAD: return (*grads)[index];
       case SAVED: return (*saved)[index];
+      case COPY: return copies[index];
       default: return at::Tensor();
     }
   }
 };
 
-void* current_stream(const at::Device& device) {
-  if (capture_mode || device.type() != at::kCUDA) return nullptr;
-  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
-  return impl->getStream(device).native_handle();
-}
-
-// Allocates the stage's tensors and runs its launches; false (launching nothing) when a tensor is not 16-byte
-// aligned (the compiled kernels may assume the alignment they were recorded with).
-bool run_stage(const Program& program, const Stage& stage, StageTensors& tensors, const std::vector<int64_t>& ints) {
+// Allocates the stage's tensors, runs its launches, then its copies; false (launching nothing) when a tensor is not
+// 16-byte aligned (the compiled kernels may assume the alignment they were recorded with).
+bool run_stage(const Program& program, const Stage& stage, StageTensors& tensors, const std::vector<int64_t>& ints,
+               int64_t stream) {
+  c10::OptionalDeviceGuard guard;
+  if (!capture_mode && program.device.type() == at::kCUDA) guard.reset_device(program.device);
   const auto options = at::TensorOptions().device(program.device);
   tensors.allocs.reserve(stage.allocs.size());
-  for (const auto& alloc : stage.allocs) tensors.allocs.push_back(at::empty(alloc.sizes, options.dtype(alloc.dtype)));
+  for (const auto& alloc : stage.allocs) tensors.allocs.push_back(allocate(alloc, options));
   tensors.fixed = &stage.fixed;
   std::vector<uint64_t> addresses;
   addresses.reserve(stage.tensors.size() / 2);
@@ -276,10 +400,13 @@ bool run_stage(const Program& program, const Stage& stage, StageTensors& tensors
     addresses.push_back(address);
   }
   if (aligned & 15) return false;
-  c10::OptionalDeviceGuard guard;
-  if (!capture_mode && program.device.type() == at::kCUDA) guard.reset_device(program.device);
-  void* stream = current_stream(program.device);
-  for (const auto& launch : stage.launches) run_launch(*launch, addresses, ints, stream);
+  for (const auto& launch : stage.launches) run_launch(*launch, addresses, ints, reinterpret_cast<void*>(stream));
+  for (const auto& copy : stage.copies) {
+    at::Tensor source = tensors.get(copy.source_kind, copy.source_index);
+    const int64_t last = copy.into.sizes.back();
+    if (source.size(-1) != last) source = source.narrow(-1, 0, last);
+    tensors.copies.push_back(allocate(copy.into, options).copy_(source));
+  }
   return true;
 }
 
@@ -290,48 +417,76 @@ variable_list collect(const StageTensors& tensors, const std::vector<int64_t>& r
   return out;
 }
 
+// A gradient in the dtype and layout the recorded backward was built for (a copy where it is not).
+at::Tensor conform(const at::Tensor& grad, const Alloc& layout) {
+  at::Tensor g = grad;
+  const bool layout_ok = layout.strides.empty() ? g.is_contiguous() : g.strides().vec() == layout.strides;
+  if (g.scalar_type() != layout.dtype || !layout_ok || (reinterpret_cast<uint64_t>(g.data_ptr()) & 15)) {
+    at::Tensor made = layout.strides.empty()
+        ? at::empty(g.sizes(), g.options().dtype(layout.dtype))
+        : at::empty_strided(g.sizes(), layout.strides, g.options().dtype(layout.dtype));
+    g = made.copy_(g);
+  }
+  return g;
+}
+
 struct RecordedFunction : public torch::autograd::Function<RecordedFunction> {
   static variable_list forward(AutogradContext* ctx, at::TensorList inputs, c10::intrusive_ptr<Program> program,
-                               std::vector<int64_t> ints) {
+                               std::vector<int64_t> ints, int64_t stream) {
     std::vector<at::Tensor> input_vector(inputs.begin(), inputs.end());
     StageTensors tensors;
     tensors.inputs = &input_vector;
-    TORCH_CHECK(run_stage(*program, program->forward, tensors, ints),
+    TORCH_CHECK(run_stage(*program, program->forward, tensors, ints, stream),
                 "fused_kernels native: a tensor is not 16-byte aligned");
-    variable_list saved = collect(tensors, program->saved);
-    ctx->save_for_backward(saved);
+    ctx->save_for_backward(collect(tensors, program->saved));
     ctx->saved_data["program"] = c10::IValue::make_capsule(program);
     ctx->saved_data["ints"] = ints;
-    ctx->saved_data["n_inputs"] = static_cast<int64_t>(inputs.size());
-    return collect(tensors, program->outputs);
+    ctx->saved_data["stream"] = stream;
+    variable_list outputs = collect(tensors, program->outputs);
+    if (!program->non_differentiable.empty()) {
+      variable_list fixed;
+      for (int64_t i : program->non_differentiable) fixed.push_back(outputs[i]);
+      ctx->mark_non_differentiable(fixed);
+    }
+    // an unused output's gradient stays undefined (no zeros made for it)
+    ctx->set_materialize_grads(false);
+    return outputs;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto program = c10::static_intrusive_pointer_cast<Program>(ctx->saved_data["program"].toCapsule());
     const auto ints = ctx->saved_data["ints"].toIntVector();
-    std::vector<at::Tensor> saved = ctx->get_saved_variables();
+    const int64_t n_inputs = static_cast<int64_t>(program->input_grads.size() / 2);
     std::vector<at::Tensor> grads;
     grads.reserve(grad_outputs.size());
     for (size_t i = 0; i < grad_outputs.size(); ++i) {
-      at::Tensor g = grad_outputs[i].to(program->grad_dtypes[i]).contiguous();
-      if (reinterpret_cast<uint64_t>(g.data_ptr()) & 15) g = g.clone();
-      grads.push_back(std::move(g));
+      const Alloc& layout = program->grad_layouts[i];
+      if (layout.sizes.size() == 1 && layout.sizes[0] == -1) {  // not differentiated: its gradient is not read
+        grads.emplace_back();
+        continue;
+      }
+      if (!grad_outputs[i].defined()) {  // a differentiated output unused downstream: nothing flows back
+        return variable_list(n_inputs + 3);
+      }
+      grads.push_back(conform(grad_outputs[i], layout));
     }
+    std::vector<at::Tensor> saved = ctx->get_saved_variables();
     StageTensors tensors;
     tensors.grads = &grads;
     tensors.saved = &saved;
-    TORCH_CHECK(run_stage(*program, program->backward, tensors, ints),
+    // the forward's stream: the autograd engine runs a node's backward on the stream its forward ran on
+    TORCH_CHECK(run_stage(*program, program->backward, tensors, ints, ctx->saved_data["stream"].toInt()),
                 "fused_kernels native: a saved tensor is not 16-byte aligned");
     variable_list out = collect(tensors, program->input_grads);
-    out.emplace_back();  // the program
-    out.emplace_back();  // the ints
+    out.resize(n_inputs + 3);  // the program, the ints, the stream
     return out;
   }
 };
 
-// The call: the outputs, or None (nothing launched) when a tensor is not 16-byte aligned.
+// The call, on ``stream`` (the current stream's handle): the outputs, or None (nothing launched) when a tensor is
+// not 16-byte aligned.
 py::object run(const c10::intrusive_ptr<Program>& program, const std::vector<at::Tensor>& inputs,
-               const std::vector<int64_t>& ints) {
+               const std::vector<int64_t>& ints, int64_t stream) {
   uint64_t aligned = 0;
   bool needs_grad = false;
   for (const auto& t : inputs) {
@@ -339,28 +494,51 @@ py::object run(const c10::intrusive_ptr<Program>& program, const std::vector<at:
     needs_grad |= t.requires_grad();
   }
   if (aligned & 15) return py::none();
+  needs_grad = needs_grad && at::GradMode::is_enabled();
+  if (needs_grad && !program->has_backward) return py::none();  // a program built for calls without gradients
   variable_list outputs;
-  if (program->has_backward && needs_grad && at::GradMode::is_enabled()) {
-    outputs = RecordedFunction::apply(at::TensorList(inputs), program, ints);
+  if (needs_grad) {
+    outputs = RecordedFunction::apply(at::TensorList(inputs), program, ints, stream);
   } else {
     StageTensors tensors;
     tensors.inputs = &inputs;
-    if (!run_stage(*program, program->forward, tensors, ints)) return py::none();
+    if (!run_stage(*program, program->forward, tensors, ints, stream)) return py::none();
     outputs = collect(tensors, program->outputs);
   }
   return py::cast(outputs);
 }
 
-Stage make_stage(std::vector<std::shared_ptr<Launch>> launches,
-                 const std::vector<std::pair<std::vector<int64_t>, at::ScalarType>>& allocs,
-                 std::vector<at::Tensor> fixed, std::vector<int64_t> tensors) {
+using AllocSpec = std::tuple<std::vector<int64_t>, std::vector<int64_t>, at::ScalarType>;
+using CopySpec = std::tuple<AllocSpec, int64_t, int64_t>;
+
+Alloc to_alloc(const AllocSpec& spec) {
+  const auto& [sizes, strides, dtype] = spec;
+  TORCH_CHECK(strides.empty() || strides.size() == sizes.size(), "an allocation's strides match its sizes");
+  return {sizes, strides, dtype};
+}
+
+Stage make_stage(std::vector<std::shared_ptr<Launch>> launches, const std::vector<AllocSpec>& allocs,
+                 std::vector<at::Tensor> fixed, std::vector<int64_t> tensors, const std::vector<CopySpec>& copies) {
   TORCH_CHECK(tensors.size() % 2 == 0, "tensor refs come in pairs");
   Stage stage;
   stage.launches = std::move(launches);
-  for (const auto& [sizes, dtype] : allocs) stage.allocs.push_back({sizes, dtype});
+  for (const auto& spec : allocs) stage.allocs.push_back(to_alloc(spec));
   stage.fixed = std::move(fixed);
   stage.tensors = std::move(tensors);
+  for (const auto& [into, kind, index] : copies) {
+    TORCH_CHECK(!std::get<0>(into).empty(), "a copy needs sizes");
+    stage.copies.push_back({to_alloc(into), kind, index});
+  }
   return stage;
+}
+
+// What capture mode logged so far, the log emptied.
+template <typename T>
+std::vector<T> take_logged(std::vector<T>& log) {
+  std::vector<T> taken;
+  std::lock_guard<std::mutex> lock(log_mutex);
+  taken.swap(log);
+  return taken;
 }
 
 }  // namespace
@@ -369,46 +547,64 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Recorded op calls replayed from C++ (see recorded_ops.cpp).";
   py::class_<Launch, std::shared_ptr<Launch>>(m, "Launch")
       .def(py::init(&make_launch), py::arg("function"), py::arg("grid"), py::arg("block"), py::arg("shared"),
-           py::arg("cooperative"), py::arg("params"), py::arg("tensor_slots"), py::arg("int_slots"));
+           py::arg("cooperative"), py::arg("params"), py::arg("tensor_slots"), py::arg("int_slots"),
+           py::arg("tma") = std::vector<py::dict>());
   py::class_<Program, c10::intrusive_ptr<Program>>(m, "Program")
       .def(py::init([](at::Device device, std::vector<std::shared_ptr<Launch>> launches,
-                       std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> allocs,
-                       std::vector<at::Tensor> fixed, std::vector<int64_t> tensors, std::vector<int64_t> outputs,
-                       std::vector<int64_t> saved) {
+                       std::vector<AllocSpec> allocs, std::vector<at::Tensor> fixed, std::vector<int64_t> tensors,
+                       std::vector<int64_t> outputs, std::vector<int64_t> saved,
+                       std::vector<int64_t> non_differentiable, std::vector<CopySpec> copies) {
              auto program = c10::make_intrusive<Program>();
              program->device = device;
-             program->forward = make_stage(std::move(launches), allocs, std::move(fixed), std::move(tensors));
+             program->forward = make_stage(std::move(launches), allocs, std::move(fixed), std::move(tensors), copies);
              program->outputs = std::move(outputs);
              program->saved = std::move(saved);
+             program->non_differentiable = std::move(non_differentiable);
              return program;
            }),
            py::arg("device"), py::arg("launches"), py::arg("allocs"), py::arg("fixed"), py::arg("tensors"),
-           py::arg("outputs"), py::arg("saved"))
+           py::arg("outputs"), py::arg("saved"), py::arg("non_differentiable") = std::vector<int64_t>(),
+           py::arg("copies") = std::vector<CopySpec>())
       .def("set_backward",
-           [](Program& program, std::vector<std::shared_ptr<Launch>> launches,
-              std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> allocs, std::vector<at::Tensor> fixed,
-              std::vector<int64_t> tensors, std::vector<at::ScalarType> grad_dtypes, std::vector<int64_t> input_grads) {
-             program.backward = make_stage(std::move(launches), allocs, std::move(fixed), std::move(tensors));
-             program.grad_dtypes = std::move(grad_dtypes);
+           [](Program& program, std::vector<std::shared_ptr<Launch>> launches, std::vector<AllocSpec> allocs,
+              std::vector<at::Tensor> fixed, std::vector<int64_t> tensors, std::vector<AllocSpec> grad_layouts,
+              std::vector<int64_t> input_grads, std::vector<CopySpec> copies) {
+             TORCH_CHECK(grad_layouts.size() == program.outputs.size() / 2, "one gradient layout per output");
+             program.backward = make_stage(std::move(launches), allocs, std::move(fixed), std::move(tensors), copies);
+             program.grad_layouts.clear();
+             for (const auto& spec : grad_layouts) {
+               const auto& [sizes, strides, dtype] = spec;
+               program.grad_layouts.push_back({sizes, strides, dtype});
+             }
              program.input_grads = std::move(input_grads);
              program.has_backward = true;
            },
-           py::arg("launches"), py::arg("allocs"), py::arg("fixed"), py::arg("tensors"), py::arg("grad_dtypes"),
-           py::arg("input_grads"));
-  m.def("run", &run, py::arg("program"), py::arg("inputs"), py::arg("ints"));
+           py::arg("launches"), py::arg("allocs"), py::arg("fixed"), py::arg("tensors"), py::arg("grad_layouts"),
+           py::arg("input_grads"), py::arg("copies") = std::vector<CopySpec>());
+  m.def("run", &run, py::arg("program"), py::arg("inputs"), py::arg("ints"), py::arg("stream"));
   m.def("set_capture_mode", [](bool on) { capture_mode = on; });
   m.def("take_log", []() {
-    std::vector<LoggedLaunch> taken;
-    {
-      std::lock_guard<std::mutex> lock(log_mutex);
-      taken.swap(launch_log);
-    }
     py::list out;
-    for (const auto& l : taken) {
+    for (const auto& l : take_logged(launch_log)) {
       py::list params;
       for (const auto& p : l.params) params.append(py::bytes(p));
       out.append(py::make_tuple(l.function, py::make_tuple(l.grid[0], l.grid[1], l.grid[2]), l.block, l.shared,
                                 l.cooperative, l.stream, params));
+    }
+    return out;
+  });
+  m.def("take_encodings", []() {
+    py::list out;
+    for (const auto& e : take_logged(encoding_log)) {
+      py::dict d;
+      d["address"] = e.address;
+      d["elem_type"] = e.elem_type;
+      d["dims"] = e.dims;
+      d["strides"] = e.strides;
+      d["box"] = e.box;
+      d["swizzle"] = e.swizzle;
+      d["fill"] = e.fill;
+      out.append(d);
     }
     return out;
   });
@@ -418,4 +614,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("FIXED") = static_cast<int64_t>(FIXED);
   m.attr("GRAD") = static_cast<int64_t>(GRAD);
   m.attr("SAVED") = static_cast<int64_t>(SAVED);
+  m.attr("COPY") = static_cast<int64_t>(COPY);
 }

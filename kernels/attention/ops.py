@@ -42,8 +42,10 @@ from kernels._common.eager import PlanCache, autocast_key, function_apply, plann
 from kernels._common.launch import (
     PreparedCache,
     TmaTensor,
+    current_stream_handle,
     launch_or_replay,
     multiprocessor_count,
+    observed_calls,
     prepared_launches_enabled,
 )
 from kernels._common.launch import kernels_from as swap_kernels
@@ -60,6 +62,12 @@ from kernels._common.seed import (
     seed_value,
 )
 from kernels._common.validate import indices_checked
+from kernels._native import UNREAD, Refs
+from kernels._native import active as native_active
+from kernels._native import launches as native_launches
+from kernels._native import layout as native_layout
+from kernels._native import module as native_module
+from kernels._native import observed as native_observed
 from kernels.attention import _hopper, _hopper_bwd, _hopper_bwd_dq, _hopper_bwd_split, configs
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
@@ -863,7 +871,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
         key = _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, deterministic)
         plan = _PLANS.get(key)
         if plan is not None:
-            o, lse = _attend(plan, q, k, v, seed)
+            native = _native_attention(key, plan, q, k, v, seed) if native_active() else None
+            o, lse = native if native is not None else _attend(plan, q, k, v, seed)
             return (o, lse) if return_lse else o
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)
@@ -881,6 +890,78 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
 #: checked eager calls of ``flash_attention`` (``kernels._common.eager``): plan key -> ``_AttentionPlan``
 _PLANS = PlanCache()
 _apply = function_apply(_FlashAttentionFunction)
+
+#: compiled-tier programs (``kernels._native``) of dense ``flash_attention`` calls by (plan key, strides, stream): a
+#: program, or False where none can be built (the call then takes the Python path)
+_NATIVE_CALLS = PreparedCache()
+
+
+def _native_attention(key, plan: _AttentionPlan, q, k, v, seed: Seed | None):
+    """``(o, lse)`` of a call through its compiled-tier program (built on the first call of its plan key, strides
+    and stream), or None where it has none: CPU tensors, inputs autocast must cast, CUDA graph capture (which draws
+    its seeds on the device), a misaligned tensor, a call whose launches cannot be replayed (the decode-shaped
+    forward, which is not recorded)."""
+    if not q.is_cuda or (plan.cast_dtype is not None and not q.dtype == k.dtype == v.dtype == plan.cast_dtype) or \
+            torch.cuda.is_current_stream_capturing():
+        return None
+    stream = current_stream_handle(q.device)
+    program_key = (key, q.stride(), k.stride(), v.stride(), stream)
+    program = _NATIVE_CALLS.get(program_key)
+    if program is None:
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        program = _native_attention_program(q, k, v, plan, needs_grad) or False
+        _NATIVE_CALLS.put(program_key, program)
+    if program is False:
+        return None
+    words = key_words(seed_for_call(seed, q.device)) if plan.dropout_p > 0 else (0, 0)
+    return native_module().run(program, [q, k, v], list(words), stream)
+
+
+def _native_attention_program(q, k, v, plan: _AttentionPlan, needs_grad: bool):
+    """The compiled-tier program of a dense call: its forward and (``needs_grad``) backward run once through the
+    Python path with seed 0 (a program takes each call's seed words), the backward on an uninitialised gradient in
+    o's layout, with their recorded launches observed; None when either has none the extension can replay. The
+    forward's tensors (``_fwd_impl``): q, k, v, o, lse, the device seed; the backward's (``_bwd_impl``): dO, q, k, v,
+    o, lse, delta, dQ (or the fp32 accumulator a copy then casts into dQ), dK, dV, the device seed."""
+    native = native_module()
+    left, right, scale, dropout_p = plan.left, plan.right, plan.scale, plan.dropout_p
+    with observed_calls() as seen:
+        o, lse = _fwd_impl(q, k, v, left, right, scale, dropout_p, 0)
+    found = native_observed(seen, _FORWARD_CALLS)
+    launches = None if found is None else native_launches(found[0], found[1], native)
+    if launches is None or found[1][3] is not o or found[1][4] is not lse:
+        return None
+    fwd = Refs(native)
+    q_ref, k_ref, v_ref = (fwd.of("INPUT", i) for i in range(3))
+    o_ref, lse_ref = fwd.like(o), fwd.like(lse)
+    program = native.Program(
+        device=q.device, launches=launches, allocs=fwd.allocs, fixed=fwd.fixed,
+        tensors=Refs.flat([q_ref, k_ref, v_ref, o_ref, lse_ref, fwd.none()]), outputs=Refs.flat([o_ref, lse_ref]),
+        saved=Refs.flat([q_ref, k_ref, v_ref, o_ref, lse_ref]), non_differentiable=[1])
+    if not needs_grad:
+        return program
+    do = torch.empty_like(o)
+    with observed_calls() as seen:
+        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, left, right, scale, dropout_p, 0, None,
+                               deterministic=plan.deterministic)
+    found = native_observed(seen, _BACKWARD_CALLS)
+    launches = None if found is None else native_launches(found[0], found[1], native)
+    if launches is None:
+        return None
+    _, _, _, _, _, recorded_lse, delta, dq_out, recorded_dk, recorded_dv, _ = found[1]
+    if recorded_lse is not lse or recorded_dk is not dk or recorded_dv is not dv:
+        return None
+    bwd = Refs(native)
+    dq_ref = bwd.like(dq_out)
+    dk_ref, dv_ref = bwd.like(dk), bwd.like(dv)
+    program.set_backward(
+        launches=launches, allocs=bwd.allocs, fixed=bwd.fixed,
+        tensors=Refs.flat([bwd.of("GRAD", 0), *(bwd.of("SAVED", i) for i in range(5)), bwd.like(delta), dq_ref,
+                           dk_ref, dv_ref, bwd.none()]),
+        grad_layouts=[native_layout(do.shape, do.dtype, None if do.is_contiguous() else do.stride()), UNREAD],
+        input_grads=Refs.flat([dq_ref if dq is dq_out else bwd.copy(dq_ref, dq), dk_ref, dv_ref]),
+        copies=bwd.copies)
+    return program
 
 
 def _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, deterministic) -> tuple | None:

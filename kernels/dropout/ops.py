@@ -39,7 +39,7 @@ from kernels._common import (
     nothing_to_launch,
 )
 from kernels._common.eager import PlanCache, function_apply, plannable, plans_apply, tensor_key
-from kernels._common.launch import PreparedCache, recording
+from kernels._common.launch import PreparedCache, current_stream_handle, recording
 from kernels._common.opaque import opaque_op
 from kernels._common.seed import (
     SEED_WORD_PARAMETERS,
@@ -54,6 +54,7 @@ from kernels._common.seed import (
 )
 from kernels._native import active as native_active
 from kernels._native import launches as native_launches
+from kernels._native import layout as native_layout
 from kernels._native import module as native_module
 from kernels.dropout import configs
 from kernels.dropout._kernels import _dropout_columns_kernel, _dropout_fwd_kernel, _dropout_rows_kernel
@@ -304,7 +305,8 @@ def _native_dropout(key, plan: tuple, x: torch.Tensor, seed: int | None) -> torc
         _NATIVE_DROPOUTS.put(key, program)
     if program is False:
         return None
-    outputs = native_module().run(program, [x], list(key_words(seed_for_call(seed, x.device))))
+    outputs = native_module().run(program, [x], list(key_words(seed_for_call(seed, x.device))),
+                                  current_stream_handle(x.device))
     return None if outputs is None else outputs[0]
 
 
@@ -316,14 +318,15 @@ def _native_dropout_program(x: torch.Tensor, p: float, needs_grad: bool):
     out = torch.empty_like(x)
     with recording((x, out), SEED_WORD_PARAMETERS) as rec:
         _launch(x, out, dropout_scalars(p, 0), traceable=False)
-    launches = native_launches(rec.replay(), native)
+    launches = native_launches(rec.replay(), (x, out), native)
     if launches is None:
         return None
-    program = native.Program(device=x.device, launches=launches, allocs=[(list(x.shape), x.dtype)], fixed=[],
+    contiguous = native_layout(x.shape, x.dtype)
+    program = native.Program(device=x.device, launches=launches, allocs=[contiguous], fixed=[],
                              tensors=[native.INPUT, 0, native.ALLOC, 0], outputs=[native.ALLOC, 0], saved=[])
     if needs_grad:
-        program.set_backward(launches=launches, allocs=[(list(x.shape), x.dtype)], fixed=[],
-                             tensors=[native.GRAD, 0, native.ALLOC, 0], grad_dtypes=[x.dtype],
+        program.set_backward(launches=launches, allocs=[contiguous], fixed=[],
+                             tensors=[native.GRAD, 0, native.ALLOC, 0], grad_layouts=[contiguous],
                              input_grads=[native.ALLOC, 0])
     return program
 

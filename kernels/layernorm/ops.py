@@ -57,6 +57,7 @@ from kernels._common.seed import SEED_WORD_PARAMETERS, Seed
 from kernels._native import Refs
 from kernels._native import active as native_active
 from kernels._native import launches as native_launches
+from kernels._native import layout as native_layout
 from kernels._native import module as native_module
 from kernels._native import observed as native_observed
 from kernels.layernorm import _hopper, configs
@@ -594,14 +595,15 @@ def _native_norm(key, plan: tuple, x, weight, bias) -> torch.Tensor | None:
     if not (x.is_cuda and x.is_contiguous() and (weight is None or weight.is_contiguous())
             and (bias is None or bias.is_contiguous())) or torch.cuda.is_current_stream_capturing():
         return None
-    program_key = (key, current_stream_handle(x.device))
+    stream = current_stream_handle(x.device)
+    program_key = (key, stream)
     program = _NATIVE_NORMS.get(program_key)
     if program is None:
         program = _native_norm_program(x, weight, bias, n, eps, is_rms, deterministic, needs_grad) or False
         _NATIVE_NORMS.put(program_key, program)
     if program is False:
         return None
-    outputs = native_module().run(program, [t for t in (x, weight, bias) if t is not None], [])
+    outputs = native_module().run(program, [t for t in (x, weight, bias) if t is not None], [], stream)
     return None if outputs is None else outputs[0]
 
 
@@ -617,13 +619,15 @@ def _native_norm_program(x, weight, bias, n, eps, is_rms, deterministic, needs_g
     with observed_calls() as seen:
         y, mean, rstd = _norm_fwd_impl(x2, w, b, eps, is_rms, n=n)
     found = native_observed(seen, _NORM_FORWARD_CALLS)
-    launches = None if found is None else native_launches(found[0], native)
+    launches = None if found is None else native_launches(found[0], found[1], native)
     if launches is None or found[1][6] is not None:
         return None
     fwd = Refs(native)
     inputs = {"x": fwd.of("INPUT", 0)}
+    present = 1  # the call passes only the tensors it has: x, then weight and bias where given
     for name, t in (("weight", weight), ("bias", bias)):
-        inputs[name] = fwd.of("INPUT", len(inputs)) if t is not None else fwd.none()
+        inputs[name] = fwd.of("INPUT", present) if t is not None else fwd.none()
+        present += t is not None
     y_ref = fwd.alloc(x.shape, y.dtype)
     mean_ref, rstd_ref = fwd.alloc(mean.shape, mean.dtype), fwd.alloc(rstd.shape, rstd.dtype)
     program = native.Program(
@@ -637,7 +641,7 @@ def _native_norm_program(x, weight, bias, n, eps, is_rms, deterministic, needs_g
         _norm_bwd_impl(torch.empty_like(y), x2, w, mean, rstd, is_rms, bias is not None, deterministic, n=n,
                        grad_dtypes=grad_dtypes, bias_shape=None if bias is None else bias.shape)
     found = native_observed(seen, _NORM_BACKWARD_CALLS)
-    launches = None if found is None else native_launches(found[0], native)
+    launches = None if found is None else native_launches(found[0], found[1], native)
     if launches is None:
         return None
     _, _, dx, _, _, _, partial, locks, dres, dr, dw, db = found[1]
@@ -654,8 +658,8 @@ def _native_norm_program(x, weight, bias, n, eps, is_rms, deterministic, needs_g
                            bwd.of("SAVED", 3), bwd.hold(partial) if partial is not None else bwd.none(),
                            bwd.hold(locks) if locks is not None else bwd.none(), bwd.none(), bwd.none(), dw_ref,
                            db_ref]),
-        grad_dtypes=[y.dtype], input_grads=Refs.flat([dx_ref, *(r for r, t in ((dw_ref, weight), (db_ref, bias))
-                                                                if t is not None)]))
+        grad_layouts=[native_layout(x.shape, y.dtype)],
+        input_grads=Refs.flat([dx_ref, *(r for r, t in ((dw_ref, weight), (db_ref, bias)) if t is not None)]))
     return program
 
 
