@@ -113,6 +113,29 @@ def test_the_autograd_node_gives_each_input_the_gradient_its_launch_wrote(captur
     assert x.grad.shape == x.shape and w.grad.shape == w.shape
 
 
+def test_each_gradient_arrives_in_its_recorded_layout_and_an_unused_output_gives_zeros(capture):
+    """A program of two outputs whose backward hands the output gradients straight back as the inputs' (so the test
+    can read what the backward was given): the used output's gradient in the recorded dtype and layout, zeros for
+    the unused one."""
+    noop = capture.Launch(function=3, grid=[1, 1, 1], block=32, shared=0, cooperative=False, params=[],
+                          tensor_slots=[], int_slots=[])
+    program = capture.Program(device=torch.device("cpu"), launches=[noop],
+                              allocs=[([2, 3], [], torch.float32), ([3, 2], [1, 3], torch.float16)], fixed=[],
+                              tensors=[], outputs=[capture.ALLOC, 0, capture.ALLOC, 1], saved=[])
+    program.set_backward(launches=[noop], allocs=[], fixed=[], tensors=[],
+                         grad_layouts=[([2, 3], [], torch.float32), ([3, 2], [1, 3], torch.float16)],
+                         input_grads=[capture.GRAD, 0, capture.GRAD, 1])
+    a = torch.randn(2, 3, requires_grad=True)
+    b = torch.randn(3, 2, dtype=torch.float16, requires_grad=True)
+    _, second = capture.run(program, [a, b], [], 0)
+    assert second.stride() == (1, 3)  # allocated in the recorded layout
+    grad = torch.randn(3, 2, dtype=torch.float64)
+    second.backward(grad)  # the first output unused
+    assert torch.equal(a.grad, torch.zeros(2, 3)) and b.grad.dtype == torch.float16
+    assert torch.equal(b.grad, grad.half())
+    assert len(capture.take_log()) == 2  # forward and backward
+
+
 def test_without_a_gradient_to_compute_no_node_is_made(capture):
     program, _ = _norm_like_program(capture)
     x, w = torch.randn(2, 3), torch.randn(3)
@@ -392,3 +415,50 @@ def test_native_attention_with_arrival_order_dq_matches_within_rounding(native, 
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(flash_attention(q, k, v, causal=True), expected[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("residual_kind", ["bf16", "fp32-stream", "none"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("used", ["both", "y only"])
+def test_native_add_dropout_norm_equals_the_python_path(native, monkeypatch, kind, residual_kind, dropout_p, used):
+    """Bit for bit with both outputs used; with residual_out unused downstream the program feeds zeros where the
+    Python path feeds nothing (the same sums: adding zero)."""
+    import kernels.layernorm.ops as ops
+    from kernels.layernorm import add_dropout_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 1024, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    residual = (torch.randn(6, 1024, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+                if residual_kind != "none" else None)
+    w = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) if kind == "layer" else None
+    dy = torch.randn(6, 1024, device=DEVICE, dtype=torch.bfloat16)
+    residual_dtype = torch.float32 if residual_kind == "fp32-stream" else None
+
+    def calls():
+        out = []
+        for seed in (3, 4, 5):
+            for t in (x, residual, w, b):
+                if t is not None:
+                    t.grad = None
+            y, residual_out = add_dropout_norm(x, residual, w, b, kind=kind, dropout_p=dropout_p, seed=seed,
+                                               residual_dtype=residual_dtype, deterministic=True)
+            loss = (y.float() * dy.float()).sum()
+            if used == "both":
+                loss = loss + residual_out.float().square().sum()
+            loss.backward()
+            out.append([y.detach().clone(), residual_out.detach().clone(),
+                        *(t.grad.clone() for t in (x, residual, w, b) if t is not None)])
+        return out
+
+    monkeypatch.setattr(native_tier, "NATIVE", False)
+    python = calls()
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    ops._NATIVE_ADD_DROPOUT_NORMS._entries.clear()
+    compiled = calls()
+    assert any(program is not False for program in ops._NATIVE_ADD_DROPOUT_NORMS._entries.values())
+    for got, expected in zip(compiled, python, strict=True):
+        for a, e in zip(got, expected, strict=True):
+            assert torch.equal(a, e)

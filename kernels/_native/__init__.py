@@ -14,8 +14,9 @@ takes the Python path, as it does under the Triton interpreter, under torch.comp
 the reference: tests compare the two bit for bit, and run the programs on CPU in capture mode (launches logged, not
 run) to check what each launch is given.
 
-Programs: ``layer_norm`` and ``rms_norm`` (the single-kernel backward's widths), ``dropout`` (not in place) and dense
-``flash_attention`` (Hopper kernels included: their TMA arguments are encoded in C++, each map kept by address).
+Programs: ``layer_norm``, ``rms_norm`` and ``add_dropout_norm`` (the single-kernel backward's widths; for
+``add_dropout_norm`` rows the single-pass forward takes), ``dropout`` (not in place) and dense ``flash_attention``
+(Hopper kernels included: their TMA arguments are encoded in C++, each map kept by address).
 
 Limits: what recorded launches cannot replay (clusters, programmatic launch, kernels with scratch memory) has no
 program; a program is built for one op signature (strides included) on one stream, and every other call takes the

@@ -457,18 +457,24 @@ struct RecordedFunction : public torch::autograd::Function<RecordedFunction> {
     auto program = c10::static_intrusive_pointer_cast<Program>(ctx->saved_data["program"].toCapsule());
     const auto ints = ctx->saved_data["ints"].toIntVector();
     const int64_t n_inputs = static_cast<int64_t>(program->input_grads.size() / 2);
+    auto unread = [&](size_t i) {  // not differentiated: its gradient is not read
+      const Alloc& layout = program->grad_layouts[i];
+      return layout.sizes.size() == 1 && layout.sizes[0] == -1;
+    };
+    bool any_grad = false;
+    for (size_t i = 0; i < grad_outputs.size(); ++i) any_grad |= !unread(i) && grad_outputs[i].defined();
+    if (!any_grad) return variable_list(n_inputs + 3);  // the outputs are unused downstream: nothing flows back
     std::vector<at::Tensor> grads;
     grads.reserve(grad_outputs.size());
     for (size_t i = 0; i < grad_outputs.size(); ++i) {
       const Alloc& layout = program->grad_layouts[i];
-      if (layout.sizes.size() == 1 && layout.sizes[0] == -1) {  // not differentiated: its gradient is not read
+      if (unread(i)) {
         grads.emplace_back();
-        continue;
+      } else if (!grad_outputs[i].defined()) {  // this output unused downstream, another used: zeros for it
+        grads.push_back(allocate(layout, at::TensorOptions().device(program->device)).zero_());
+      } else {
+        grads.push_back(conform(grad_outputs[i], layout));
       }
-      if (!grad_outputs[i].defined()) {  // a differentiated output unused downstream: nothing flows back
-        return variable_list(n_inputs + 3);
-      }
-      grads.push_back(conform(grad_outputs[i], layout));
     }
     std::vector<at::Tensor> saved = ctx->get_saved_variables();
     StageTensors tensors;

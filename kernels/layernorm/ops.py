@@ -948,6 +948,9 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
                torch.is_grad_enabled(), autocast_key("cuda"))
         plan = _ADD_DROPOUT_NORM_PLANS.get(key)
         if plan is not None:
+            native = _native_add_dropout_norm(key, plan, x, residual, weight, bias, seed) if native_active() else None
+            if native is not None:
+                return native
             return _add_dropout_norm_run(plan, x, residual, weight, bias, seed, _apply_add_dropout_norm)
     check_tensor("x", x)
     check_float_dtype("x", x)
@@ -1001,6 +1004,88 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
 #: deterministic, needs_grad)``
 _ADD_DROPOUT_NORM_PLANS = PlanCache()
 _apply_add_dropout_norm = function_apply(_AddDropoutNormFunction)
+
+
+#: compiled-tier programs of ``add_dropout_norm`` (``kernels._native``) by (plan key, stream), or False
+_NATIVE_ADD_DROPOUT_NORMS = PreparedCache()
+
+
+def _native_add_dropout_norm(key, plan: tuple, x, residual, weight, bias, seed: int | None) -> tuple | None:
+    """``(y, residual_out)`` of a call through its compiled-tier program (built on the first call of its plan key
+    and stream), or None where it has none (as :func:`_native_norm`; also rows too wide for the single-pass forward,
+    whose norm is a second call)."""
+    tensors = [t for t in (x, residual, weight, bias) if t is not None]
+    if not (x.is_cuda and all(t.is_contiguous() for t in tensors)) or torch.cuda.is_current_stream_capturing():
+        return None
+    stream = current_stream_handle(x.device)
+    program = _NATIVE_ADD_DROPOUT_NORMS.get((key, stream))
+    if program is None:
+        program = _native_add_dropout_norm_program(x, residual, weight, bias, plan) or False
+        _NATIVE_ADD_DROPOUT_NORMS.put((key, stream), program)
+    if program is False:
+        return None
+    dropout_p = plan[2]
+    words = seeds.key_words(seeds.seed_for_call(seed, x.device)) if dropout_p > 0 else (0, 0)
+    outputs = native_module().run(program, tensors, list(words), stream)
+    return None if outputs is None else tuple(outputs)
+
+
+def _native_add_dropout_norm_program(x, residual, weight, bias, plan: tuple):
+    """The compiled-tier program of an ``add_dropout_norm`` call, built as :func:`_native_norm_program` builds a
+    norm's (seed 0: a program takes each call's seed words). The forward's tensors (``_add_dropout_norm_fwd_impl``):
+    x, residual, residual_out, y, weight, bias, mean, rstd; the backward's are the norm backward's, its residual_out in
+    x's place, the residual gradients in the fused op's two places."""
+    eps, is_rms, dropout_p, residual_dtype, y_dtype, deterministic, needs_grad = plan
+    native = native_module()
+    w, b = _flat(weight), _flat(bias)
+    with observed_calls() as seen:
+        y, residual_out, mean, rstd = _add_dropout_norm_fwd_impl(x, residual, w, b, eps, is_rms, dropout_p, 0,
+                                                                 residual_dtype, y_dtype)
+    found = native_observed(seen, _ADD_DROPOUT_NORM_CALLS)
+    if found is None or native_observed(seen, _NORM_FORWARD_CALLS) is not None:
+        return None
+    launches = native_launches(found[0], found[1], native)
+    if launches is None:
+        return None
+    fwd = Refs(native)
+    present = iter(range(4))
+    x_ref, residual_ref, weight_ref, bias_ref = (
+        fwd.of("INPUT", next(present)) if t is not None else fwd.none() for t in (x, residual, weight, bias))
+    residual_out_ref, y_ref = fwd.alloc(x.shape, residual_out.dtype), fwd.alloc(x.shape, y.dtype)
+    mean_ref, rstd_ref = fwd.alloc(mean.shape, mean.dtype), fwd.alloc(rstd.shape, rstd.dtype)
+    program = native.Program(
+        device=x.device, launches=launches, allocs=fwd.allocs, fixed=fwd.fixed,
+        tensors=Refs.flat([x_ref, residual_ref, residual_out_ref, y_ref, weight_ref, bias_ref, mean_ref, rstd_ref]),
+        outputs=Refs.flat([y_ref, residual_out_ref]),
+        saved=Refs.flat([residual_out_ref, weight_ref, mean_ref, rstd_ref]))
+    if not needs_grad:
+        return program
+    grad_dtypes = (torch.float32 if weight is None else weight.dtype, torch.float32 if bias is None else bias.dtype)
+    with observed_calls() as seen:
+        _add_dropout_norm_bwd_impl(torch.empty_like(y), torch.empty_like(residual_out), residual_out, w, mean, rstd,
+                                   eps, is_rms, bias is not None, deterministic, dropout_p, 0, x.dtype,
+                                   residual is not None, grad_dtypes=grad_dtypes)
+    found = native_observed(seen, _NORM_BACKWARD_CALLS)
+    launches = None if found is None else native_launches(found[0], found[1], native)
+    if launches is None:
+        return None
+    _, _, dx, _, _, _, partial, locks, _, dresidual, dw, db = found[1]
+    bwd = Refs(native)
+    dx_ref = bwd.alloc(x.shape, dx.dtype)
+    dresidual_ref = bwd.alloc(x.shape, dresidual.dtype) if residual is not None else bwd.none()
+    dw_ref = bwd.alloc(weight.shape, dw.dtype) if weight is not None else bwd.none()
+    db_ref = bwd.alloc(bias.shape, db.dtype) if bias is not None else bwd.none()
+    program.set_backward(
+        launches=launches, allocs=bwd.allocs, fixed=bwd.fixed,
+        tensors=Refs.flat([bwd.of("SAVED", 0), bwd.of("GRAD", 0), dx_ref,
+                           bwd.of("SAVED", 1) if weight is not None else bwd.none(), bwd.of("SAVED", 2),
+                           bwd.of("SAVED", 3), bwd.hold(partial) if partial is not None else bwd.none(),
+                           bwd.hold(locks) if locks is not None else bwd.none(), bwd.of("GRAD", 1), dresidual_ref,
+                           dw_ref, db_ref]),
+        grad_layouts=[native_layout(x.shape, y.dtype), native_layout(x.shape, residual_out.dtype)],
+        input_grads=Refs.flat([ref for ref, t in ((dx_ref, x), (dresidual_ref, residual), (dw_ref, weight),
+                                                  (db_ref, bias)) if t is not None]))
+    return program
 
 
 def _add_dropout_norm_run(plan: tuple, x, residual, weight, bias, seed: int | None, apply):
