@@ -248,6 +248,18 @@ def test_the_interpreter_never_takes_the_tier(monkeypatch):
 # --- on a GPU: the tier against the Python path --------------------------------------------------------------
 
 
+def _python_then_native(monkeypatch, programs, calls):
+    """``(calls() on the Python path, calls() with the tier on)``, the tier's program cache ``programs`` emptied
+    first; fails when the tier built no program."""
+    monkeypatch.setattr(native_tier, "NATIVE", False)
+    python = calls()
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    programs._entries.clear()
+    compiled = calls()
+    assert any(program is not False for program in programs._entries.values()), "no program was built"
+    return python, compiled
+
+
 def _norm_calls(fn, x, w, b, dy, deterministic):
     """Three calls (the first stores the plan, the second builds the program, the third replays it): each call's
     output and gradients."""
@@ -282,12 +294,8 @@ def test_native_norms_equal_the_python_path_bit_for_bit(native, monkeypatch, kin
     b = (torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True)
          if "bias" in affine and kind == "layer_norm" else None)
     dy = torch.randn(shape, device=DEVICE, dtype=dtype)
-    monkeypatch.setattr(native_tier, "NATIVE", False)
-    python = _norm_calls(fn, x, w, b, dy, deterministic=True)
-    monkeypatch.setattr(native_tier, "NATIVE", True)
-    ops._NATIVE_NORMS._entries.clear()
-    compiled = _norm_calls(fn, x, w, b, dy, deterministic=True)
-    assert any(program is not False for program in ops._NATIVE_NORMS._entries.values()), "no program was built"
+    python, compiled = _python_then_native(monkeypatch, ops._NATIVE_NORMS,
+                                           lambda: _norm_calls(fn, x, w, b, dy, deterministic=True))
     for got in compiled:
         for a, e in zip(got, python[0], strict=True):
             assert torch.equal(a, e)
@@ -335,12 +343,7 @@ def test_native_dropout_equals_the_python_path_bit_for_bit(native, monkeypatch, 
             out.append((y.detach().clone(), x.grad.clone()))
         return out
 
-    monkeypatch.setattr(native_tier, "NATIVE", False)
-    python = calls()
-    monkeypatch.setattr(native_tier, "NATIVE", True)
-    ops._NATIVE_DROPOUTS._entries.clear()
-    compiled = calls()
-    assert any(program is not False for program in ops._NATIVE_DROPOUTS._entries.values()), "no program was built"
+    python, compiled = _python_then_native(monkeypatch, ops._NATIVE_DROPOUTS, calls)
     for (y, dx), (y_ref, dx_ref) in zip(compiled, python, strict=True):
         assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
     # seed=None: torch's generator governs the draws, as on the Python path
@@ -384,12 +387,8 @@ def test_native_attention_equals_the_python_path_bit_for_bit(native, monkeypatch
     q, k, v = make(hq, sq), make(hkv, sk), make(hkv, sk)
     do = torch.randn(b, hq, sq, d, device=DEVICE, dtype=dtype)
     kwargs = {"deterministic": True, **options}  # dQ summed in a fixed order, so two runs compare bit for bit
-    monkeypatch.setattr(native_tier, "NATIVE", False)
-    python = _attention_calls(q, k, v, do, **kwargs)
-    monkeypatch.setattr(native_tier, "NATIVE", True)
-    ops._NATIVE_CALLS._entries.clear()
-    compiled = _attention_calls(q, k, v, do, **kwargs)
-    assert any(program is not False for program in ops._NATIVE_CALLS._entries.values()), "no program was built"
+    python, compiled = _python_then_native(monkeypatch, ops._NATIVE_CALLS,
+                                           lambda: _attention_calls(q, k, v, do, **kwargs))
     for got in compiled:
         for name, a, e in zip(("o", "lse", "dq", "dk", "dv"), got, python[0], strict=True):
             assert a.stride() == e.stride() and torch.equal(a, e), name
@@ -405,11 +404,10 @@ def test_native_attention_with_arrival_order_dq_matches_within_rounding(native, 
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 8, 512, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
-    monkeypatch.setattr(native_tier, "NATIVE", False)
-    (expected, *_) = _attention_calls(q, k, v, do, causal=True)
-    monkeypatch.setattr(native_tier, "NATIVE", True)
-    ops._NATIVE_CALLS._entries.clear()
-    for got in _attention_calls(q, k, v, do, causal=True):
+    python, compiled = _python_then_native(monkeypatch, ops._NATIVE_CALLS,
+                                           lambda: _attention_calls(q, k, v, do, causal=True))
+    expected = python[0]
+    for got in compiled:
         for a, e in zip(got, expected, strict=True):
             torch.testing.assert_close(a, e, rtol=1e-2, atol=1e-2)
     with torch.no_grad():
@@ -453,12 +451,7 @@ def test_native_add_dropout_norm_equals_the_python_path(native, monkeypatch, kin
                         *(t.grad.clone() for t in (x, residual, w, b) if t is not None)])
         return out
 
-    monkeypatch.setattr(native_tier, "NATIVE", False)
-    python = calls()
-    monkeypatch.setattr(native_tier, "NATIVE", True)
-    ops._NATIVE_ADD_DROPOUT_NORMS._entries.clear()
-    compiled = calls()
-    assert any(program is not False for program in ops._NATIVE_ADD_DROPOUT_NORMS._entries.values())
+    python, compiled = _python_then_native(monkeypatch, ops._NATIVE_ADD_DROPOUT_NORMS, calls)
     for got, expected in zip(compiled, python, strict=True):
         for a, e in zip(got, expected, strict=True):
             assert torch.equal(a, e)
