@@ -65,6 +65,13 @@ def test_a_parameter_of_an_unknown_type_or_a_slot_on_a_non_pointer_is_refused(na
     with pytest.raises(RuntimeError, match="no parameter of type"):
         native.Launch(function=1, grid=[1, 1, 1], block=32, shared=0, cooperative=False, params=[("fp16", 1.0)],
                       tensor_slots=[], int_slots=[])
+
+    class Recorded:  # a recorded call whose one launch has such a parameter: no program, the Python path
+        def native_forms(self, tensors):
+            return [{"function": 1, "grid": [1, 1, 1], "block": 32, "shared": 0, "cooperative": False,
+                     "params": [("bf16", 1.0)], "tensor_slots": [], "int_slots": [], "tma": [], "device": 0}]
+
+    assert native_tier.launches(Recorded(), (), native) is None
     with pytest.raises(RuntimeError, match="not a pointer"):
         native.Launch(function=1, grid=[1, 1, 1], block=32, shared=0, cooperative=False, params=[("i32", 0)],
                       tensor_slots=[0, 0], int_slots=[])
