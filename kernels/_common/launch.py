@@ -599,6 +599,8 @@ def observed_calls() -> Iterator[list]:
         yield seen
     finally:
         _OBSERVER[0] = saved
+
+
 #: ids of tensors that live as long as the process (placeholders), whose addresses recordings may keep
 _FIXED_TENSORS: set[int] = set()
 _FIXED_KEEP: list[torch.Tensor] = []

@@ -126,14 +126,14 @@ class Refs:
         return self.native.ALLOC, len(self.allocs) - 1
 
     def like(self, t: torch.Tensor) -> tuple[int, int]:
-        """A tensor the stage allocates with ``t``'s sizes, strides and dtype."""
-        return self.alloc(t.shape, t.dtype, None if t.is_contiguous() else t.stride())
+        """A tensor the stage allocates with ``t``'s sizes, strides (all of them: a recorded launch may hold the
+        stride of a dim of size 1) and dtype."""
+        return self.alloc(t.shape, t.dtype, t.stride())
 
     def copy(self, source: tuple[int, int], like: torch.Tensor) -> tuple[int, int]:
         """A tensor made after the stage's launches: ``source`` narrowed to ``like``'s last size and copied into a
         tensor of ``like``'s sizes, strides and dtype."""
-        self.copies.append((layout(like.shape, like.dtype, None if like.is_contiguous() else like.stride()),
-                            *source))
+        self.copies.append((layout(like.shape, like.dtype, like.stride()), *source))
         return self.native.COPY, len(self.copies) - 1
 
     def hold(self, tensor: torch.Tensor) -> tuple[int, int]:

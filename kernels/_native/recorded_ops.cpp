@@ -417,10 +417,20 @@ variable_list collect(const StageTensors& tensors, const std::vector<int64_t>& r
   return out;
 }
 
+// Whether ``t`` is laid out as ``strides`` says (contiguous where it is empty); a dim of size 1 may have any stride.
+bool has_layout(const at::Tensor& t, const std::vector<int64_t>& strides) {
+  if (strides.empty()) return t.is_contiguous();
+  if (static_cast<int64_t>(strides.size()) != t.dim()) return false;
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (t.size(i) != 1 && t.stride(i) != strides[i]) return false;
+  }
+  return true;
+}
+
 // A gradient in the dtype and layout the recorded backward was built for (a copy where it is not).
 at::Tensor conform(const at::Tensor& grad, const Alloc& layout) {
   at::Tensor g = grad;
-  const bool layout_ok = layout.strides.empty() ? g.is_contiguous() : g.strides().vec() == layout.strides;
+  const bool layout_ok = has_layout(g, layout.strides);
   if (g.scalar_type() != layout.dtype || !layout_ok || (reinterpret_cast<uint64_t>(g.data_ptr()) & 15)) {
     at::Tensor made = layout.strides.empty()
         ? at::empty(g.sizes(), g.options().dtype(layout.dtype))

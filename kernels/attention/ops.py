@@ -958,7 +958,7 @@ def _native_attention_program(q, k, v, plan: _AttentionPlan, needs_grad: bool):
         launches=launches, allocs=bwd.allocs, fixed=bwd.fixed,
         tensors=Refs.flat([bwd.of("GRAD", 0), *(bwd.of("SAVED", i) for i in range(5)), bwd.like(delta), dq_ref,
                            dk_ref, dv_ref, bwd.none()]),
-        grad_layouts=[native_layout(do.shape, do.dtype, None if do.is_contiguous() else do.stride()), UNREAD],
+        grad_layouts=[native_layout(do.shape, do.dtype, do.stride()), UNREAD],
         input_grads=Refs.flat([dq_ref if dq is dq_out else bwd.copy(dq_ref, dq), dk_ref, dv_ref]),
         copies=bwd.copies)
     return program

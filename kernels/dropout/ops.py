@@ -295,9 +295,10 @@ _NATIVE_DROPOUTS = PreparedCache()
 
 def _native_dropout(key, plan: tuple, x: torch.Tensor, seed: int | None) -> torch.Tensor | None:
     """A dropout call (not in place, 0 < p < 1) through its compiled-tier program, built on the first call of its
-    plan key; None where it has none (CPU tensors, a tensor that is not contiguous, CUDA graph capture, which draws
-    its seeds on the device, a misaligned tensor): the call then takes the Python path."""
-    if not (x.is_cuda and x.is_contiguous()) or torch.cuda.is_current_stream_capturing():
+    plan key; None where it has none (CPU tensors, float64, which runs the twin, a tensor that is not contiguous,
+    CUDA graph capture, which draws its seeds on the device, a misaligned tensor): the call then takes the Python
+    path."""
+    if not (x.is_cuda and x.is_contiguous()) or x.dtype == torch.float64 or torch.cuda.is_current_stream_capturing():
         return None
     program = _NATIVE_DROPOUTS.get(key)
     if program is None:
