@@ -247,6 +247,23 @@ def test_a_tma_argument_becomes_its_tensor_map_encoded_as_tritons_launcher_encod
     assert _pointer(words[5]) == out.data_ptr() and struct.unpack("<i", words[6])[0] == 100
 
 
+def test_a_killed_builds_lock_is_cleared_and_a_running_builds_is_kept(monkeypatch, tmp_path):
+    """torch's extension builder waits forever on a lock file that a killed build left behind."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "built")
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert native_tier._build() == "built" and lock.exists()  # a build under way: its lock stays
+    stale = time.time() - native_tier._STALE_LOCK_SECONDS - 1
+    os.utime(lock, (stale, stale))
+    assert native_tier._build() == "built" and not lock.exists()
+
+
 def test_the_interpreter_never_takes_the_tier(monkeypatch):
     monkeypatch.setattr(native_tier, "NATIVE", True)
     assert native_tier.active() == (not INTERPRETER and native_tier.module() is not None)

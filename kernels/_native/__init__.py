@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 
@@ -55,11 +56,19 @@ def module():
     return _MODULE[0]
 
 
+#: a build lock older than this is a killed build's: torch's builder would wait for it forever
+_STALE_LOCK_SECONDS = 600
+
+
 def _build():
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils import cpp_extension
 
-        return load(name="fused_kernels_native", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+        name = "fused_kernels_native"
+        lock = os.path.join(cpp_extension._get_build_directory(name, verbose=False), "lock")
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > _STALE_LOCK_SECONDS:
+            os.remove(lock)
+        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # a missing compiler or ninja: the Python path serves every call
         warnings.warn(f"fused_kernels: the compiled eager tier could not be built ({error}); eager calls take the "
                       "Python path", RuntimeWarning, stacklevel=3)
