@@ -26,6 +26,7 @@ alignment. A backward's gradient is made contiguous (or into the recorded layout
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import threading
@@ -64,7 +65,8 @@ def _build():
     try:
         from torch.utils import cpp_extension
 
-        name = "fused_kernels_native"
+        # one build per source text: checkouts of different versions never rebuild over each other's
+        name = "fused_kernels_native_" + hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:12]
         lock = os.path.join(cpp_extension._get_build_directory(name, verbose=False), "lock")
         if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > _STALE_LOCK_SECONDS:
             os.remove(lock)
