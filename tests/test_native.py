@@ -77,6 +77,23 @@ def test_a_parameter_of_an_unknown_type_or_a_slot_on_a_non_pointer_is_refused(na
                       tensor_slots=[0, 0], int_slots=[])
 
 
+def test_a_program_whose_launches_read_past_its_tensors_or_the_calls_ints_is_refused(capture):
+    reads_tensor_1 = capture.Launch(function=1, grid=[1, 1, 1], block=32, shared=0, cooperative=False,
+                                    params=[("ptr", 0)], tensor_slots=[0, 1], int_slots=[])
+    with pytest.raises(RuntimeError, match="does not list"):
+        capture.Program(device=torch.device("cpu"), launches=[reads_tensor_1], allocs=[], fixed=[],
+                        tensors=[capture.INPUT, 0], outputs=[], saved=[])
+    reads_int_1 = capture.Launch(function=1, grid=[1, 1, 1], block=32, shared=0, cooperative=False,
+                                 params=[("i32", 0)], tensor_slots=[], int_slots=[0, 1])
+    program = capture.Program(device=torch.device("cpu"), launches=[], allocs=[], fixed=[], tensors=[],
+                              outputs=[], saved=[])
+    program.set_backward(launches=[reads_int_1], allocs=[], fixed=[], tensors=[], grad_layouts=[], input_grads=[])
+    with pytest.raises(RuntimeError, match="fewer ints"):  # the backward's ints are the forward call's
+        capture.run(program, [torch.zeros(2)], [7], 0)
+    assert capture.run(program, [torch.zeros(2)], [7, 8], 0) == []
+    assert capture.take_log() == []
+
+
 def _norm_like_program(native):
     """A program shaped as a norm's: inputs x and w; the forward allocates y and a statistics row, returns y and
     saves x, w and the statistics; the backward allocates dx and dw from the gradient and the saved tensors."""
@@ -479,3 +496,4 @@ def test_native_add_dropout_norm_equals_the_python_path(native, monkeypatch, kin
     for got, expected in zip(compiled, python, strict=True):
         for a, e in zip(got, expected, strict=True):
             assert torch.equal(a, e)
+

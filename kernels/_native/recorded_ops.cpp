@@ -21,6 +21,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <mutex>
@@ -209,8 +210,10 @@ std::shared_ptr<Launch> make_launch(uint64_t function, std::vector<int64_t> grid
   }
   const auto n_params = static_cast<int64_t>(params.size());
   for (size_t i = 0; i < tensor_slots.size(); i += 2) {
+    // messages here and below carry no numbers: where torch's extension builder links libstdc++ statically (seen
+    // with GCC 13), formatting a number through an ostream in this library crashed
     TORCH_CHECK(tensor_slots[i] >= 0 && tensor_slots[i] < n_params && launch->widths[tensor_slots[i]] == 8,
-                "tensor slot ", tensor_slots[i], " is not a pointer parameter");
+                "a tensor slot is not a pointer parameter");
   }
   for (size_t i = 0; i < int_slots.size(); i += 2) {
     TORCH_CHECK(int_slots[i] >= 0 && int_slots[i] < n_params && launch->widths[int_slots[i]] <= 8,
@@ -339,6 +342,7 @@ struct Stage {
   std::vector<at::Tensor> fixed;
   std::vector<int64_t> tensors;  // pairs: kind, index, in the order the recorded launches number them
   std::vector<Copy> copies;
+  size_t ints_read = 0;  // how many of the call's ints the launches read (one past the highest index)
 };
 
 struct Program : torch::CustomClassHolder {
@@ -352,6 +356,8 @@ struct Program : torch::CustomClassHolder {
   std::vector<Alloc> grad_layouts;  // per output: the dtype and layout the backward takes its gradient in (sizes
                                     // {-1}: not differentiated, its gradient not read)
   std::vector<int64_t> input_grads;  // pairs into the backward's tensors, one per input: its gradient
+
+  size_t ints_read() const { return std::max(forward.ints_read, has_backward ? backward.ints_read : 0); }
 };
 
 at::Tensor allocate(const Alloc& alloc, const at::TensorOptions& options) {
@@ -510,6 +516,8 @@ py::object run(const c10::intrusive_ptr<Program>& program, const std::vector<at:
     needs_grad |= t.requires_grad();
   }
   if (aligned & 15) return py::none();
+  TORCH_CHECK(ints.size() >= program->ints_read(), "fused_kernels native: the call passes fewer ints than its "
+              "launches read");
   needs_grad = needs_grad && at::GradMode::is_enabled();
   if (needs_grad && !program->has_backward) return py::none();  // a program built for calls without gradients
   variable_list outputs;
@@ -541,6 +549,23 @@ Stage make_stage(std::vector<std::shared_ptr<Launch>> launches, const std::vecto
   for (const auto& spec : allocs) stage.allocs.push_back(to_alloc(spec));
   stage.fixed = std::move(fixed);
   stage.tensors = std::move(tensors);
+  // a launch that reads past the stage's tensors or the call's ints would read stray memory: refused here, and in
+  // ``run`` for the ints
+  const auto n_tensors = static_cast<int64_t>(stage.tensors.size() / 2);
+  for (const auto& launch : stage.launches) {
+    for (size_t i = 1; i < launch->tensor_slots.size(); i += 2) {
+      TORCH_CHECK(launch->tensor_slots[i] >= 0 && launch->tensor_slots[i] < n_tensors,
+                  "fused_kernels native: a launch reads a tensor the stage does not list");
+    }
+    for (const auto& slot : launch->tma_slots) {
+      TORCH_CHECK(slot.tensor >= 0 && slot.tensor < n_tensors,
+                  "fused_kernels native: a tensor map describes a tensor the stage does not list");
+    }
+    for (size_t i = 1; i < launch->int_slots.size(); i += 2) {
+      TORCH_CHECK(launch->int_slots[i] >= 0, "fused_kernels native: a negative int index");
+      stage.ints_read = std::max(stage.ints_read, static_cast<size_t>(launch->int_slots[i]) + 1);
+    }
+  }
   for (const auto& [into, kind, index] : copies) {
     TORCH_CHECK(!std::get<0>(into).empty(), "a copy needs sizes");
     stage.copies.push_back({to_alloc(into), kind, index});

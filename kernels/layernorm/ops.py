@@ -603,7 +603,8 @@ def _native_norm(key, plan: tuple, x, weight, bias) -> torch.Tensor | None:
         _NATIVE_NORMS.put(program_key, program)
     if program is False:
         return None
-    outputs = native_module().run(program, [t for t in (x, weight, bias) if t is not None], [], stream)
+    # the backward kernel takes the fused op's seed words too; a plain norm's are (0, 0), as its Python path passes
+    outputs = native_module().run(program, [t for t in (x, weight, bias) if t is not None], [0, 0], stream)
     return None if outputs is None else outputs[0]
 
 
