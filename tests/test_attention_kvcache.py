@@ -12,7 +12,7 @@ import torch
 import reference.attention as twin
 from kernels._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
 from kernels.attention import configs, flash_attention_with_kvcache
-from tests._caches import paged_cache
+from tests._caches import kvcache_calls, paged_cache
 from tests._numerics import assert_no_worse_than_torch
 
 ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
@@ -441,3 +441,63 @@ def test_balanced_splits_give_the_twins_result_on_ragged_batches(case, paged):
         torch.testing.assert_close(lse_balanced[seen].double(), ref_lse[seen], rtol=0, atol=1e-4)
         torch.testing.assert_close(out_balanced, out, rtol=0, atol=ATOL[dtype])
         assert (out_balanced[~seen] == 0).all()
+
+
+# --- eager calls: checked plans and recorded launches -------------------------------------------------------------
+
+#: (Hq, Hkv, Sq, lengths of each call of one signature, S_max, D): the GPU's splits the keys
+REPLAY_SHAPE = by_mode(interpreter=(4, 2, 2, ([5, 0, 29], [6, 1, 30], [0, 2, 3]), 32, 16),
+                       cuda=(32, 8, 1, ([4000, 0, 8191, 17], [4001, 1, 8000, 18], [0, 3, 5, 7000]), 8192, 128))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("append", [True, False], ids=["append", "read"])
+@pytest.mark.parametrize("cache", ["plain", "fp8-float", "fp8-per_head"])
+def test_calls_that_take_a_stored_plan_and_replay_give_what_checked_calls_give(monkeypatch, paged, append, cache):
+    """An eager call whose signature was seen takes the stored plan (no checks) and, on a GPU, replays the recorded
+    append and attention launches with its own tensors: bit for bit what checked, freshly launched calls give, for
+    calls with new data, lengths and page tables."""
+    import kernels._common.eager as eager
+    import kernels.attention.kvcache as kvcache
+
+    dtype = torch.float32 if INTERPRETER else torch.bfloat16
+    scales = None if cache == "plain" else _fp8_scales(cache.split("-")[1], REPLAY_SHAPE[1])
+
+    def calls():
+        return kvcache_calls(REPLAY_SHAPE, dtype, DEVICE, paged=paged, append=append, scales=scales)
+
+    kvcache._PLANS.clear()
+    kvcache._KVCACHE_CALLS._entries.clear()
+    monkeypatch.setattr(eager, "EAGER_PLANS", False)
+    expected = calls()
+    assert not kvcache._PLANS._entries and not kvcache._KVCACHE_CALLS._entries
+    monkeypatch.setattr(eager, "EAGER_PLANS", True)
+    got = calls()
+    assert len(kvcache._PLANS._entries) == 1
+    if not INTERPRETER:  # launches are recorded for CUDA calls only
+        assert [bool(recorded) for recorded in kvcache._KVCACHE_CALLS._entries.values()] == [True]
+    for got_call, expected_call in zip(got, expected, strict=True):
+        for a, e in zip(got_call, expected_call, strict=True):
+            assert torch.equal(a, e)
+
+
+def test_a_stored_plan_leaves_no_argument_unchecked():
+    """After a plan is stored, arguments that the checks refuse still raise (grad mode and ``requires_grad`` are part
+    of the key, ``True`` is not taken for ``1``), and arguments that cannot be keys are checked on every call."""
+    q, k_cache, v_cache, seqlens_t, _, _ = _inputs(2, 1, 1, [3, 4], 16, 16, torch.float32, append=False)
+    for _ in range(2):
+        expected = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=1)
+        with pytest.raises(TypeError, match="softmax_scale"):
+            flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=True)
+        with pytest.raises(ValueError, match="forward-only"):
+            flash_attention_with_kvcache(q.clone().requires_grad_(True), k_cache, v_cache, seqlens_t,
+                                         softmax_scale=1)
+        with pytest.raises(ValueError, match="k_scale"):
+            flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=1, k_scale=1.0, v_scale=1.0)
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t[:1], softmax_scale=1)
+        listed = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=1, window_size=[-1, -1])
+        assert torch.equal(listed, expected)
+        with torch.no_grad():
+            assert torch.equal(flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=1),
+                               expected)

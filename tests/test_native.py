@@ -497,3 +497,23 @@ def test_native_add_dropout_norm_equals_the_python_path(native, monkeypatch, kin
         for a, e in zip(got, expected, strict=True):
             assert torch.equal(a, e)
 
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("append", [True, False], ids=["append", "read"])
+@pytest.mark.parametrize("scales", [None, (0.02, 0.03), "per_head"], ids=["plain", "fp8-float", "fp8-per_head"])
+def test_native_kvcache_equals_the_python_path_bit_for_bit(native, monkeypatch, paged, append, scales):
+    """Decoding calls through the tier (the first builds the program, the later ones run it, each with its own data,
+    lengths and page table): outputs, log-sum-exps and the caches the appends wrote, bit for bit."""
+    import kernels.attention.kvcache as kvcache
+    from tests._caches import kvcache_calls
+
+    if scales == "per_head":
+        scales = (torch.linspace(0.01, 0.03, 8, device=DEVICE), torch.linspace(0.04, 0.02, 8, device=DEVICE))
+    shape = (32, 8, 1, ([4000, 0, 8191, 17], [4001, 1, 8000, 18], [0, 3, 5, 7000]), 8192, 128)
+    python, compiled = _python_then_native(
+        monkeypatch, kvcache._NATIVE_KVCACHE,
+        lambda: kvcache_calls(shape, torch.bfloat16, DEVICE, paged=paged, append=append, scales=scales))
+    for got, expected in zip(compiled, python, strict=True):
+        for name, a, e in zip(("o", "lse", "k_cache", "v_cache"), got, expected, strict=True):
+            assert torch.equal(a, e), name

@@ -15,8 +15,9 @@ the reference: tests compare the two bit for bit, and run the programs on CPU in
 run) to check what each launch is given.
 
 Programs: ``layer_norm``, ``rms_norm`` and ``add_dropout_norm`` (the single-kernel backward's widths; for
-``add_dropout_norm`` rows the single-pass forward takes), ``dropout`` (not in place) and dense ``flash_attention``
-(Hopper kernels included: their TMA arguments are encoded in C++, each map kept by address).
+``add_dropout_norm`` rows the single-pass forward takes), ``dropout`` (not in place), dense ``flash_attention``
+(Hopper kernels included: their TMA arguments are encoded in C++, each map kept by address) and
+``flash_attention_with_kvcache`` (forward only: the append and the attention launches).
 
 Limits: what recorded launches cannot replay (clusters, programmatic launch, kernels with scratch memory) has no
 program; a program is built for one op signature (strides included) on one stream, and every other call takes the

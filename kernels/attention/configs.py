@@ -600,6 +600,12 @@ def decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype
     return _adjust_decode(plan) if _adjust_decode is not None else plan
 
 
+def decode_overridden() -> bool:
+    """Whether an :func:`override_decode` block is in force (the compiled tier, whose programs are kept by the
+    call's arguments alone, then steps aside)."""
+    return _adjust_decode is not None
+
+
 @contextlib.contextmanager
 def override_decode(adjust: Callable[[DecodePlan], DecodePlan]) -> Iterator[None]:
     """Inside the block, every KV-cache call runs ``adjust(table_plan)``: for tests (many splits on small caches)

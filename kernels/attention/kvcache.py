@@ -8,6 +8,12 @@ twin ``reference.attention.attention_with_kvcache``. Under torch.compile a call 
 path when the compiled graph runs. ``attend_every_key`` runs a decode-shaped dense ``flash_attention`` forward on the
 same kernel (the keys a full cache); its launch is recorded once per signature and replayed with the step's key
 count and cache strides.
+
+Eager calls check their arguments once per signature (a checked plan, ``kernels._common.eager``), record the append
+and attention launches as one call (``_KVCACHE_CALLS``) and replay them with each call's tensors; with the compiled
+tier on (``kernels._native``) a call runs a program instead. The trade-off: a decoding loop whose cache tensors keep
+their shapes (a static cache) pays the checks once; one whose cache grows each step (a new shape per step) pays them
+every step, plus a plan stored and dropped (``PlanCache`` empties past its limit).
 """
 
 from __future__ import annotations
@@ -26,17 +32,24 @@ from kernels._common import (
     interpreter_needs_fp32,
     kernel_for,
 )
+from kernels._common.eager import PlanCache, plans_apply, tensor_key
 from kernels._common.launch import (
     PreparedCache,
     current_stream_handle,
     int_key,
     launch_or_replay,
     multiprocessor_count,
+    observed_calls,
     prepared_launches_enabled,
 )
 from kernels._common.opaque import opaque_op
 from kernels._common.runtime import INTERPRETER
 from kernels._common.validate import indices_checked
+from kernels._native import Refs
+from kernels._native import active as native_active
+from kernels._native import launches as native_launches
+from kernels._native import module as native_module
+from kernels._native import observed as native_observed
 from kernels.attention import configs
 from kernels.attention._decode import _kvcache_append_kernel, _kvcache_attn_kernel
 from kernels.attention.checks import LOG2E, check_heads, dot_precision, resolve_scale, window_edges
@@ -195,22 +208,33 @@ def _arrivals(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
-def _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity: int, k_scale, v_scale) -> None:
+def _cache_bytes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as the append kernel writes them: an FP8 cache as its bytes (the kernel writes the FP8 bytes it
+    rounds itself), any other as it is."""
+    if k_cache.dtype == FP8_CACHE:
+        return k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    return k_cache, v_cache
+
+
+def _append_launch(k, v, k_bytes, v_bytes, cache_seqlens, block_table, capacity: int, k_scale, v_scale, quantize):
+    """The launch that writes ``k``/``v`` into the caches (``k_bytes``/``v_bytes``: :func:`_cache_bytes`) at each
+    sequence's ``cache_seqlens``."""
     batch, kv_heads, new_tokens, d = k.shape
     bd = configs.block_d(d)
     paged = block_table is not None
     table = block_table if paged else cache_seqlens
     grid = (cdiv(new_tokens, _APPEND_TOKENS), batch * kv_heads)
-    quantize = k_cache.dtype == FP8_CACHE
-    if quantize:  # the kernel writes the FP8 bytes it rounds itself
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     scale_args, scale_flags = _scale_args(k_scale, v_scale)
-    kernel_for(_kvcache_append_kernel, traceable=False)[grid](
-        k, v, k_cache, v_cache, cache_seqlens, table, table.stride(0) if paged else 0,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        kv_heads, new_tokens, d, k_cache.shape[2] if paged else 1, capacity, *scale_args,
-        PAGED=paged, BLOCK_T=_APPEND_TOKENS, BLOCK_D=bd, QUANTIZE=quantize, **scale_flags, num_warps=4,
-    )
+
+    def launch():
+        kernel_for(_kvcache_append_kernel, traceable=False)[grid](
+            k, v, k_bytes, v_bytes, cache_seqlens, table, table.stride(0) if paged else 0,
+            *k.stride(), *v.stride(), *k_bytes.stride(), *v_bytes.stride(),
+            kv_heads, new_tokens, d, k_bytes.shape[2] if paged else 1, capacity, *scale_args,
+            PAGED=paged, BLOCK_T=_APPEND_TOKENS, BLOCK_D=bd, QUANTIZE=quantize, **scale_flags, num_warps=4,
+        )
+
+    return launch
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=True,
@@ -253,10 +277,29 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     CPU checks on CUDA calls too, at the cost of one synchronisation per call. Forward only: a call with grad mode
     on and a tensor that requires grad raises ``ValueError``.
     """
+    plans = plans_apply()
+    key = None
+    if plans:
+        key = (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), tensor_key(cache_seqlens), tensor_key(k),
+               tensor_key(v), tensor_key(block_table), causal, type(causal), softmax_scale, type(softmax_scale),
+               window_size, type(window_size), return_lse, type(return_lse), _scale_key(k_scale),
+               _scale_key(v_scale), torch.is_grad_enabled())
+        plan = _PLANS.get(key)
+        if plan is not None:
+            o, lse = _kvcache_eager(key, plan, q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                    bool(return_lse), k_scale, v_scale)
+            return (o, lse) if return_lse else o
     capacity = _validate(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_scale)
     left, right = window_edges(window_size, bool(causal))
     scale = resolve_scale(softmax_scale, q.shape[3])
-    if torch.compiler.is_compiling():  # the lengths are known when the graph runs: the op reads and checks them then
+    if plans:
+        plan = (capacity, left, right, scale)
+        _PLANS.put(key, plan)
+        if _PLANS.get(key) is not plan:  # a key that cannot be stored (an unhashable argument): nothing kept under it
+            key = None
+        o, lse = _kvcache_eager(key, plan, q, k_cache, v_cache, cache_seqlens, k, v, block_table, bool(return_lse),
+                                k_scale, v_scale)
+    elif torch.compiler.is_compiling():  # the lengths are known when the graph runs: the op reads and checks them then
         scale_values = [float(s) if s is not None and not isinstance(s, torch.Tensor) else 1.0
                         for s in (k_scale, v_scale)]
         scale_tensors = [s if isinstance(s, torch.Tensor) else None for s in (k_scale, v_scale)]
@@ -266,6 +309,102 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
         o, lse = _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left, right, scale, return_lse,
                                capacity, k_scale, v_scale)
     return (o, lse) if return_lse else o
+
+
+def _scale_key(scale):
+    """What a plan reads of an FP8 scale: a tensor's :func:`tensor_key`, a number's type and value."""
+    return tensor_key(scale) if isinstance(scale, torch.Tensor) else (type(scale), scale)
+
+
+#: checked eager calls (``kernels._common.eager``): plan key -> ``(capacity, left, right, scale)``
+_PLANS = PlanCache()
+
+
+def _kvcache_eager(key, plan: tuple, q, k_cache, v_cache, cache_seqlens, k, v, block_table, return_lse: bool,
+                   k_scale, v_scale):
+    """``(o, lse)`` of an eager call whose arguments its ``plan`` covers: through the compiled tier where it is on
+    and has a program, else the Python path with its launches recorded and replayed under ``key`` (None: a call
+    whose key cannot be stored, which runs without either). Calls whose indices are checked on the host, calls
+    under CUDA graph capture and calls inside ``configs.override_decode`` take the Python path."""
+    capacity, left, right, scale = plan
+    if key is not None and native_active() and q.is_cuda and not indices_checked(q.device) and \
+            not configs.decode_overridden() and not torch.cuda.is_current_stream_capturing():
+        out = _native_kvcache(key, plan, q, k_cache, v_cache, cache_seqlens, k, v, block_table, return_lse, k_scale,
+                              v_scale)
+        if out is not None:
+            return out
+    return _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left, right, scale, return_lse,
+                         capacity, k_scale, v_scale, key=key)
+
+
+def _call_tensors(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_scale) -> list:
+    """The tensors a call passes, in a fixed order (absent ones left out): what a replay's signature takes the
+    strides of, and the compiled tier's inputs."""
+    return [t for t in (q, k_cache, v_cache, cache_seqlens, block_table, k, v, k_scale, v_scale)
+            if isinstance(t, torch.Tensor)]
+
+
+#: recorded launches of eager calls (the append and the attention kernel) by signature: the plan key, every tensor's
+#: strides and the decode plan
+_KVCACHE_CALLS = PreparedCache()
+
+#: compiled-tier programs (``kernels._native``) by (plan key, strides, stream): a program, or False where none can be
+#: built (the call then takes the Python path)
+_NATIVE_KVCACHE = PreparedCache()
+
+
+def _native_kvcache(key, plan, q, k_cache, v_cache, cache_seqlens, k, v, block_table, return_lse, k_scale, v_scale):
+    """``(o, lse)`` through the call's compiled-tier program, or None where it has none. The first call of a key,
+    strides and stream runs the Python path (its result is returned) and builds the program from the launches it
+    replayed or recorded; a call that recorded nothing (nothing to compute, index checks on) builds none."""
+    inputs = _call_tensors(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_scale)
+    stream = current_stream_handle(q.device)
+    program_key = (key, tuple(t.stride() for t in inputs), stream)
+    program = _NATIVE_KVCACHE.get(program_key)
+    if program is None:
+        capacity, left, right, scale = plan
+        with observed_calls() as seen:
+            out = _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left, right, scale,
+                                return_lse, capacity, k_scale, v_scale, key=key)
+        _NATIVE_KVCACHE.put(program_key, _native_kvcache_program(seen, inputs, return_lse) or False)
+        return out
+    if program is False:
+        return None
+    outputs = native_module().run(program, inputs, [], stream)
+    if outputs is None:
+        return None
+    return (outputs[0], outputs[1]) if return_lse else (outputs[0], None)
+
+
+def _native_kvcache_program(seen: list, inputs: list, return_lse: bool):
+    """The program of a call from its observed recorded launches (:data:`_KVCACHE_CALLS`), whose tensors are
+    ``(q, k_cache, v_cache, k_bytes, v_bytes, cache_seqlens, block_table, k, v, k_scale, v_scale, o, lse, o_part,
+    lse_part, arrivals)``; None when there are none it can replay."""
+    found = native_observed(seen, _KVCACHE_CALLS)
+    if found is None:
+        return None
+    native = native_module()
+    launches = native_launches(found[0], found[1], native)
+    if launches is None:
+        return None
+    q, k_cache, v_cache, _, _, cache_seqlens, block_table, k, v, k_scale, v_scale, o, lse, o_part, lse_part, \
+        arrivals = found[1]
+    refs = Refs(native)
+    position = {id(t): i for i, t in enumerate(inputs)}
+
+    def given(t):  # one of the call's tensors, or nothing
+        return refs.of("INPUT", position[id(t)]) if isinstance(t, torch.Tensor) else refs.none()
+
+    o_ref = refs.like(o)
+    lse_ref = refs.like(lse) if lse is not None else refs.none()
+    tensors = [given(q), given(k_cache), given(v_cache), given(k_cache), given(v_cache), given(cache_seqlens),
+               given(block_table), given(k), given(v), given(k_scale), given(v_scale), o_ref, lse_ref,
+               refs.like(o_part) if o_part is not None else refs.none(),
+               refs.like(lse_part) if lse_part is not None else refs.none(),
+               refs.hold(arrivals) if arrivals is not None else refs.none()]
+    return native.Program(device=q.device, launches=launches, allocs=refs.allocs, fixed=refs.fixed,
+                          tensors=Refs.flat(tensors), outputs=Refs.flat([o_ref, lse_ref] if return_lse else [o_ref]),
+                          saved=[])
 
 
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_left, window_right, scale,
@@ -294,9 +433,10 @@ def _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window_le
 
 
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left: int, right: int, scale: float,
-                  return_lse: bool, capacity: int, k_scale=None, v_scale=None):
+                  return_lse: bool, capacity: int, k_scale=None, v_scale=None, *, key=None):
     """``(o, lse)`` of a call whose arguments are checked (``lse`` None without ``return_lse``): the index checks
-    where they run, then the twin, or the append and the attention kernels."""
+    where they run, then the twin, or the append and the attention kernels (``key``: an eager call's plan key, under
+    which their launches are recorded and replayed)."""
     reference = backend_for(q) == "reference"
     if reference or indices_checked(q.device):
         _check_indices(cache_seqlens, block_table, 0 if k is None else k.shape[2], capacity, k_cache)
@@ -306,15 +446,38 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, left: i
                                              return_lse=True, k_scale=k_scale, v_scale=v_scale)
         return o, (lse if q.dtype == torch.float64 else lse.float()) if return_lse else None
     new_tokens = 0 if k is None else k.shape[2]
-    if new_tokens and q.shape[0] and k.shape[1]:
-        _append(k, v, k_cache, v_cache, cache_seqlens, block_table, capacity, k_scale, v_scale)
+    appends = bool(new_tokens and q.shape[0] and k.shape[1])
+    k_bytes, v_bytes = _cache_bytes(k_cache, v_cache) if appends else (k_cache, v_cache)
+    append = _append_launch(k, v, k_bytes, v_bytes, cache_seqlens, block_table, capacity, k_scale, v_scale,
+                            k_cache.dtype == FP8_CACHE) if appends else None
     if interpreter_needs_fp32(q) or (INTERPRETER and k_cache.dtype == FP8_CACHE):
         # the interpreter's dot cannot take bf16 tiles (nor widen FP8 ones to them): fp32, rounded once at the end
+        if append is not None:
+            append()
         o, lse = _attend(q.float(), k_cache.float(), v_cache.float(), cache_seqlens, new_tokens, block_table, left,
                          right, scale, return_lse, capacity, k_scale=k_scale, v_scale=v_scale)
         return o.to(q.dtype), lse
-    return _attend(q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, left, right, scale, return_lse,
-                   capacity, k_scale=k_scale, v_scale=v_scale)
+    o, lse, o_part, lse_part, arrivals, attend, decode = _attend_parts(
+        q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, left, right, scale, return_lse, capacity,
+        k_scale=k_scale, v_scale=v_scale)
+
+    def launch():
+        if append is not None:
+            append()
+        if attend is not None:
+            attend()
+
+    if key is None or not prepared_launches_enabled():
+        launch()
+        return o, lse
+    signature = (key, tuple(t.stride() for t in _call_tensors(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                                               k_scale, v_scale)), decode)
+    launch_or_replay(_KVCACHE_CALLS, signature,
+                     (q, k_cache, v_cache, k_bytes, v_bytes, cache_seqlens, block_table, k, v,
+                      k_scale if isinstance(k_scale, torch.Tensor) else None,
+                      v_scale if isinstance(v_scale, torch.Tensor) else None, o, lse, o_part, lse_part, arrivals),
+                     launch)
+    return o, lse
 
 
 #: int32 zeros per device, never written: the cache lengths of a dense call through the decode kernel
@@ -352,12 +515,37 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
     """The attention kernel over the cache (the new tokens appended already): ``(o, lse)``. ``replay``: the launch is
     recorded once per signature and replayed (a dense decode call of a contiguous cache, see
     :data:`_DENSE_DECODE_CALLS`)."""
+    o, lse, o_part, lse_part, arrivals, launch, plan = _attend_parts(
+        q, k_cache, v_cache, cache_seqlens, new_tokens, block_table, left, right, scale, return_lse, capacity, o,
+        k_scale, v_scale)
+    if launch is None:
+        return o, lse
+    if not (replay and block_table is None and prepared_launches_enabled()):
+        launch()
+        return o, lse
+    kv_heads, d = k_cache.shape[1], q.shape[3]
+    per_step = (new_tokens, capacity, *k_cache.stride()[:2], *v_cache.stride()[:2])
+    signature = (q.shape, q.stride(), o.stride(), kv_heads, d, k_cache.stride()[2:], v_cache.stride()[2:], q.dtype,
+                 q.device.index, left, right, scale, return_lse, plan, tuple(int_key(i) for i in per_step))
+    launch_or_replay(_DENSE_DECODE_CALLS, signature,
+                     (q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens), launch, per_step,
+                     _PER_STEP_INTS)
+    return o, lse
+
+
+def _attend_parts(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, left: int, right: int,
+                  scale: float, return_lse: bool, capacity: int, o: torch.Tensor | None = None, k_scale=None,
+                  v_scale=None) -> tuple:
+    """``(o, lse, o_part, lse_part, arrivals, launch, plan)``: the attention kernel's outputs and temporaries (the
+    split kernel's partial results and arrival counters, None without a split), its launch (None when there is
+    nothing to compute) and its ``configs.decode_plan`` (which ``capacity`` moves). Every argument of the launch
+    follows from the shapes, strides, dtypes, ``new_tokens``, ``capacity`` and the other arguments."""
     batch, heads, sq, d = q.shape
     if o is None:
         o = torch.empty((batch, heads, sq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, sq), dtype=torch.float32, device=q.device) if return_lse else None
     if o.numel() == 0:
-        return o, lse
+        return o, lse, None, None, None, None, None
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     rows = group * sq
@@ -382,6 +570,7 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
         arrivals = _arrivals(q.device, batch * kv_heads * row_blocks)
     else:
         o_part = lse_part = arrivals = None
+
     def launch():
         kernel_for(_kvcache_attn_kernel, traceable=False)[grid](
             q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens, table,
@@ -396,13 +585,4 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
             num_stages=plan.num_stages,
         )
 
-    if not (replay and not paged and prepared_launches_enabled()):
-        launch()
-        return o, lse
-    per_step = (new_tokens, capacity, *k_cache.stride()[:2], *v_cache.stride()[:2])
-    signature = (q.shape, q.stride(), o.stride(), kv_heads, d, k_cache.stride()[2:], v_cache.stride()[2:], q.dtype,
-                 q.device.index, left, right, scale, return_lse, plan, tuple(int_key(i) for i in per_step))
-    launch_or_replay(_DENSE_DECODE_CALLS, signature,
-                     (q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens), launch, per_step,
-                     _PER_STEP_INTS)
-    return o, lse
+    return o, lse, o_part, lse_part, arrivals, launch, plan
