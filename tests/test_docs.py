@@ -171,9 +171,9 @@ def test_every_path_and_script_a_code_comment_mentions_exists(source):
 
 
 #: Each family README is a reference of about 300 lines (the history lives in its TUNING.md).
-README_LINES = {"dropout": 300, "layernorm": 305, "attention": 330}
+README_LINES = {"dropout": 300, "layernorm": 300, "attention": 300}
 #: A kernel module's header says what it implements, its design, limits and trade-off in about 40 lines.
-KERNEL_HEADER_LINES = 45
+KERNEL_HEADER_LINES = 40
 
 
 @pytest.mark.parametrize("family", sorted(README_LINES))

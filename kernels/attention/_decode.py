@@ -24,10 +24,7 @@ load without a mask (``MASKED``, a compile-time variant of one loop).
 Paged caches (``PAGED``): each key row finds its page through ``block_table[b, j // block_size]`` (any page size);
 the page numbers are loads the K/V loads depend on, so a paged launch runs two programs per SM.
 
-Balanced splits (``BALANCED``, off: measured no faster than per-sequence splits on ragged batches): grid (key/value
-head, slot, row block); every program reads the lengths (``_balanced_split``), cuts the batch's key blocks into splits
-of one size (at least one per sequence) and takes split ``slot``, so a ragged batch's long sequences get more
-programs; spare slots idle.
+Balanced splits (``BALANCED``, off by default): one split size over the whole batch's keys (``_balanced_split``).
 
 FP8 caches: tiles are widened to q's dtype before their products; the K scale multiplies the softmax scale and the V
 scale the normalised output, per key/value head (a float argument, or read from memory). The widening and the
@@ -40,9 +37,7 @@ caches; ``cache_seqlens[b] + Sq_new`` is clamped to [0, capacity] on the device,
 Trade-offs: the split count is chosen on the host from the shapes (``configs.decode_plan``: programs to fill the
 GPU once, chunks of at least a few key blocks), never from the lengths, so a call needs no synchronisation and a
 CUDA graph can capture it; a sequence much shorter than the cache's capacity then has short chunks. The partial
-results cost ``B * Hkv * SPLITS * GROUP * Sq * (D + 1) * 4`` bytes written and read once, small beside the K/V read
-at Sq <= 16. The row tile is at least 16 (the MMA's M): a decode step with a GQA group of 4 computes 16 rows of which
-4 are real, which costs nothing at this arithmetic intensity.
+results, written and read once, are small beside the K/V read at Sq <= 16.
 """
 
 import triton

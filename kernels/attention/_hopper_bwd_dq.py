@@ -35,12 +35,6 @@ dK/dV kernel where ``configs.takes_hopper_dq_kernel`` says so: every call at hea
 at 128 (where the one-kernel backward with dQ reductions is as fast or faster: 0.90-1.06x it at 128, 0.85-0.90x at
 64, against 1.38-1.50x at 256).
 
-Measured (H100, bf16, kernel calls, 5 interleaved rounds, beside the dK/dV kernel without dQ): the two kernels run
-the backward 1.38-1.50x faster than the one kernel with dQ reductions from S 1024 on (B8 H16 S2048 causal 326
-TFLOP/s against 222, by the 5-matmul count) and 1.41-1.58x at S 64-512; 1.05-1.19x SDPA-cuDNN from S 1024 on,
-1.27-1.58x below. 168 registers in the default partition, 229,832 bytes of shared memory, no spills (4 bytes in the
-causal variant, offline ptxas). The estimate before the first GPU run was 240-250 at S 2048 causal.
-
 Trade-offs: deterministic (one program per dQ tile, no reductions), but 7 matmuls per tile pair instead of 5, and
 K and V are read once per 128 query rows.
 """

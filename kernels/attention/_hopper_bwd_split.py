@@ -28,20 +28,16 @@ Schedule (one program = 64 keys of one (batch, key/value head)):
   columns through the shared memory they came in.
 - ``WRITE_DQ`` False leaves dQ out (no dQ product, staging or reductions; each consumer hands the slot back once
   its products of the step are done): dQ then comes from ``_hopper_bwd_dq.py``, a kernel of its own.
-- register budget: the producer (one warp) gives its registers back (24 per thread), each consumer takes 240: dK,
-  dV 128, a dQ part 64, S^T and dP^T 16 each.
 
-Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place (head dim contiguous, other strides
-and the base 16-byte aligned), padded head dim 256, no dropout, no packed batches.
-``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
+Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors that TMA can read in place, padded head dim 256, no dropout, no
+packed batches; ``kernels.attention.ops.uses_hopper_backward`` says which calls come here.
 
 Trade-offs: with ``WRITE_DQ``, as ``_hopper_bwd.py``, dQ is a sum of fp32 reductions in arrival order (not bitwise
 reproducible; the portable backward is); and with 64 keys per program every program reads each query block's Q
 and dO (64 KiB) and writes 64 KiB of dQ per 64 keys, twice the traffic per FLOP of the 128-key programs at head
 dim 128.
 
-The default runs it without dQ (``WRITE_DQ`` False), then ``_hopper_bwd_dq.py``: writing dQ out by reductions was
-its limit; the one kernel stays for A/B (``configs.hopper_dq_kernel(dims=())``). The figures: the family's TUNING.md.
+The default runs it without dQ (``WRITE_DQ`` False), then ``_hopper_bwd_dq.py`` (the family's TUNING.md says why).
 """
 
 from triton.experimental import gluon

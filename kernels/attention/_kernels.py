@@ -37,8 +37,6 @@ Trade-offs:
 - With a right edge (causal), later query blocks visit more key blocks: the forward and dQ programs take
   query blocks last-first, so that the long ones start in the first waves and the short ones fill the
   tail of the grid (dK/dV programs are already longest-first: key block 0 sees every query).
-- Out-of-range keys need no mask in the dK/dV kernel (their rows of dK/dV are never stored) and
-  out-of-range queries none anywhere in the backward (their log-sum-exp is loaded as +inf, so P = 0).
 """
 
 import triton

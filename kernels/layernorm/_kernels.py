@@ -2,10 +2,8 @@
 
 Implements:
 - ``_layer_norm_fwd_kernel``: per row, mean and 1/std in fp32; writes y, mean, rstd. Register path:
-  a ``BLOCK_M x BLOCK_N`` tile holds several short rows at once (small N is neither launch- nor
-  latency-bound); ``AFFINE_FIRST`` loads w and b with the rows, since after the row reductions their latency
-  sits between the reductions' barriers and the store (registers held longer, hence not for the widest rows),
-  and ``STREAM_HINTS`` marks rows to leave L2 first and w, b last (for calls that fit in L2). Chunked path
+  a ``BLOCK_M x BLOCK_N`` tile holds several short rows at once (``AFFINE_FIRST``, ``STREAM_HINTS``: load and
+  cache variants, TUNING.md). Chunked path
   (rows wider than one tile): persistent programs, as many as keep their rows in flight within half of L2;
   pass 1 merges per-chunk mean and M2 (Chan, Golub and LeVeque's parallel variance), pass 2 re-reads the row
   from L2 (last chunk first) and writes y.
@@ -23,8 +21,7 @@ Implements:
   launches (shares, then the rest) reads x and dy twice (5 passes): the interpreter's path and the fallback
   when the grid cannot be resident at once. The fused residual + dropout + norm backward runs in it too.
 - ``_layer_norm_bwd_dwdb_kernel``: sums the buffers in buffer order into dW and dB, and zeroes the locked
-  backward's first-write flags, so that the launcher can keep one lock buffer per stream instead of zeroing one
-  per call.
+  backward's first-write flags (one lock buffer per stream, never zeroed by a launch of its own).
 - ``_add_dropout_norm_fwd_kernel``: the pre-norm block's ``residual_out = dropout(x) + residual``, then its
   norm, in one program, with the mask of ``kernels.dropout.dropout``. ``CHUNK_TILE`` (power-of-two rows,
   tiles of whole dropout chunks): one pass, the mask drawn in the tile's layout (``tile_keep_factor``).
@@ -33,12 +30,10 @@ Implements:
   ``HAS_DRES`` (add the residual stream's gradient), ``STORE_DR`` (store it for the residual) and
   ``DROPOUT`` (the mask on each tile's dx: in registers with ``CHUNK_TILE``, else a flat pass over the
   tile re-read from L2, which stops the row loop's pipelining).
-RMSNorm is the same code with ``IS_RMS`` (no mean, no bias). Row statistics divide with ``tl.div_rn``:
-Triton's default fp32 ``/`` is approximate (``div.full``), and with N = 1 an ulp off in ``mean(g)`` makes
-dx nonzero (times rstd ~ 1/sqrt(eps)) where it must be exactly 0.
+RMSNorm is the same code with ``IS_RMS`` (no mean, no bias). Row statistics divide with ``tl.div_rn`` (exact:
+with N = 1 the default approximate ``/`` left dx nonzero where it must be exactly 0).
 
-Derived from: the fused LayerNorm of the Triton tutorials (locked partial buffers), with fp32 buffers,
-programs that own many rows (one locked add per program instead of one per row) and a chunked path.
+Derived from the Triton tutorials' fused LayerNorm (locked partial buffers); here fp32, many rows per program.
 
 Trade-off: one locked add per program keeps lock traffic negligible; the buffers cost
 ``GROUP_SIZE_M * N * 8`` bytes, and the deterministic layout ``programs * N * 8`` (more traffic for the
