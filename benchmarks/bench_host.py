@@ -115,7 +115,7 @@ def _device_us(fn) -> float | None:
 
 
 #: the ops that the compiled eager tier has programs for
-NATIVE_OPS = {"dropout", "layer_norm", "rms_norm", "add_dropout_norm", "flash_attention",
+NATIVE_OPS = {"dropout", "layer_norm", "rms_norm", "add_dropout_norm", "flash_attention", "flash_attention_varlen",
               "flash_attention_with_kvcache"}
 
 

@@ -683,6 +683,36 @@ def test_varlen_dropout_and_lse_equal_the_twin():
     torch.testing.assert_close(lse[finite], expected_lse[finite], rtol=1e-5, atol=1e-5)
 
 
+def test_varlen_calls_of_one_signature_with_new_lengths_give_what_checked_calls_give(monkeypatch):
+    """Packed calls whose signature was seen take the stored plan and, on a GPU, replay the recorded launches with
+    their own cumulative lengths: bit for bit what checked, freshly launched calls give."""
+    import kernels._common.eager as eager
+    import kernels.attention.ops as ops
+
+    lengths = [((3, 50, 20), (9, 50, 1)), ((40, 3, 30), (20, 30, 10)), ((73, 0, 0), (30, 0, 30))]
+
+    def calls():
+        out = []
+        for step, (lengths_q, lengths_k) in enumerate(lengths):
+            torch.manual_seed(step)
+            q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 2, 1, 16, torch.float32)
+            do = torch.randn_like(q)
+            out.append(_grads(lambda a, b, c, cq=cu_q, ck=cu_k: flash_attention_varlen(a, b, c, cq, ck, 73, 50,
+                                                                                        causal=True), q, k, v, do))
+        return out
+
+    ops._VARLEN_PLANS.clear()
+    monkeypatch.setattr(eager, "EAGER_PLANS", False)
+    expected = calls()
+    assert not ops._VARLEN_PLANS._entries
+    monkeypatch.setattr(eager, "EAGER_PLANS", True)
+    got = calls()
+    assert len(ops._VARLEN_PLANS._entries) == 1
+    for got_call, expected_call in zip(got, expected, strict=True):
+        for a, e in zip(got_call, expected_call, strict=True):
+            assert torch.equal(a, e)
+
+
 def test_varlen_bad_inputs():
     q, k, v, cu_q, cu_k = _packed((3, 5), (3, 5), 2, 1, 16, torch.float32)
     with pytest.raises(ValueError, match="q must be 3-D"):

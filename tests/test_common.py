@@ -405,12 +405,14 @@ def test_a_replay_refuses_a_misaligned_tensor_and_builds_the_launch_anew():
 def _plan_cases():
     """Calls of the ops that store checked plans (``kernels._common.eager``), small enough for the interpreter:
     name -> (run(*inputs, seed), inputs)."""
-    from kernels.attention import flash_attention
+    from kernels.attention import flash_attention, flash_attention_varlen
     from kernels.dropout import dropout
     from kernels.layernorm import add_dropout_norm, layer_norm, rms_norm
 
     def randn(*shape):
         return torch.randn(*shape, device=DEVICE)
+
+    cu = torch.tensor([0, 5, 24], dtype=torch.int32, device=DEVICE)
 
     return {
         "dropout": (lambda x, s: dropout(x, 0.25, seed=s), [randn(6, 32)]),
@@ -423,6 +425,10 @@ def _plan_cases():
         "flash_attention": (lambda q, k, v, s: flash_attention(q, k, v, causal=True, dropout_p=0.25, seed=s,
                                                                window_size=(8, 4)),
                             [randn(1, 2, 24, 16), randn(1, 1, 24, 16), randn(1, 1, 24, 16)]),
+        "flash_attention_varlen": (lambda q, k, v, s: flash_attention_varlen(q, k, v, cu, cu, 19, 19, causal=True,
+                                                                             dropout_p=0.25, seed=s,
+                                                                             window_size=(8, 4)),
+                                   [randn(24, 2, 16), randn(24, 1, 16), randn(24, 1, 16)]),
     }
 
 
@@ -431,8 +437,8 @@ def _plan_caches():
     import kernels.dropout.ops as dropout_ops
     import kernels.layernorm.ops as layernorm_ops
 
-    return [attention_ops._PLANS, layernorm_ops._ADD_DROPOUT_NORM_PLANS, layernorm_ops._NORM_PLANS,
-            dropout_ops._DROPOUT_PLANS]
+    return [attention_ops._PLANS, attention_ops._VARLEN_PLANS, layernorm_ops._ADD_DROPOUT_NORM_PLANS,
+            layernorm_ops._NORM_PLANS, dropout_ops._DROPOUT_PLANS]
 
 
 def test_checked_plans_give_what_the_checks_give(monkeypatch):
@@ -484,6 +490,18 @@ def test_a_stored_plan_leaves_no_argument_unchecked():
             flash_attention(q, q, q, window_size=(1, 0), softmax_scale=True)
         with pytest.raises(ValueError, match="seed"):
             flash_attention(q, q, q, window_size=(1, 0), softmax_scale=1, dropout_p=0.5, seed=-1)
+
+    from kernels.attention import flash_attention_varlen
+
+    packed = torch.randn(16, 2, 16, device=DEVICE)
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        flash_attention_varlen(packed, packed, packed, cu, cu, 9, 9, causal=True)
+        with pytest.raises(TypeError, match="max_seqlen_q"):
+            flash_attention_varlen(packed, packed, packed, cu, cu, True, 9, causal=True)
+        if DEVICE == "cpu":  # lengths are read back on every CPU call, plan or not
+            with pytest.raises(ValueError, match="more than max_seqlen_q"):
+                flash_attention_varlen(packed, packed, packed, cu, cu, 8, 9, causal=True)
 
     from kernels.dropout import dropout
     from kernels.layernorm import layer_norm, rms_norm

@@ -16,7 +16,8 @@ run) to check what each launch is given.
 
 Programs: ``layer_norm``, ``rms_norm`` and ``add_dropout_norm`` (the single-kernel backward's widths; for
 ``add_dropout_norm`` rows the single-pass forward takes), ``dropout`` (not in place), dense ``flash_attention``
-(Hopper kernels included: their TMA arguments are encoded in C++, each map kept by address) and
+(Hopper kernels included: their TMA arguments are encoded in C++, each map kept by address),
+``flash_attention_varlen`` (the cumulative lengths are inputs, saved for the backward) and
 ``flash_attention_with_kvcache`` (forward only: the append and the attention launches).
 
 Limits: what recorded launches cannot replay (clusters, programmatic launch, kernels with scratch memory) has no

@@ -9,8 +9,9 @@ torch.compile through the opaque ops ``flash_attn_fwd_twin`` / ``flash_attn_bwd_
 Under the Triton interpreter bf16 calls run in fp32 and round once (``interpreter_needs_fp32``).
 
 Launch configurations (tiles, warps, stages, one or two backward launches) come from the table in
-``kernels.attention.configs``. An eager ``flash_attention`` call checks its arguments once per call signature
-(``kernels._common.eager``).
+``kernels.attention.configs``. An eager ``flash_attention`` or ``flash_attention_varlen`` call checks its arguments
+once per call signature (``kernels._common.eager``) and replays the launches its signature's first call recorded;
+with the compiled tier on, a C++ program runs it (``kernels._native``).
 """
 
 from __future__ import annotations
@@ -476,14 +477,23 @@ _BACKWARD_CALLS = PreparedCache()
 
 
 def _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, *extra):
-    """What an eager dense call's launches depend on besides the tensors' addresses and the seed (shapes, strides,
-    dtype, device, band, scale, dropout, whether the seed is an int or on the device, the kernel path, the Hopper
-    tiles), or None for calls that are not replayed (traced or packed calls, prepared launches off). A device seed
-    (how compiled graphs and CUDA graphs pass it) is one of the replay's tensors (:func:`_seed_tensor`)."""
-    if traceable or varlen is not None or not prepared_launches_enabled():
+    """What an eager call's launches depend on besides the tensors' addresses and the seed (shapes, strides, dtype,
+    device, band, scale, dropout, whether the seed is an int or on the device, the kernel path, the Hopper tiles; for
+    a packed call also the cumulative lengths' shapes and strides and the longest sequences, which size the grid), or
+    None for calls that are not replayed (traced calls, prepared launches off). A device seed (how compiled graphs and
+    CUDA graphs pass it) is one of the replay's tensors (:func:`_seed_tensor`), as are the cumulative lengths
+    (:func:`_cu_tensors`)."""
+    if traceable or not prepared_launches_enabled():
         return None
+    packed = None if varlen is None else (varlen[0].shape, varlen[0].stride(), varlen[1].shape, varlen[1].stride(),
+                                          varlen[2], varlen[3])
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device.index, left, right, scale,
-            dropout_p, type(seed) is int, configs.path(), configs.hopper_tables_version, *extra)
+            dropout_p, type(seed) is int, configs.path(), configs.hopper_tables_version, packed, *extra)
+
+
+def _cu_tensors(varlen) -> tuple:
+    """A packed call's cumulative lengths as a replay's tensors (both None for a dense call)."""
+    return (None, None) if varlen is None else (varlen[0], varlen[1])
 
 
 def _seed_words(dropout_p: float, seed: Seed) -> tuple[int, int]:
@@ -529,7 +539,7 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
         lse.fill_(float("-inf"))
         return o, lse
     signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable)
-    launch_or_replay(_FORWARD_CALLS, signature, (q, k, v, o, lse, _seed_tensor(seed)),
+    launch_or_replay(_FORWARD_CALLS, signature, (q, k, v, o, lse, _seed_tensor(seed), *_cu_tensors(varlen)),
                      lambda: _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable,
                                            dims),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
@@ -584,7 +594,8 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
         # replayed like the portable launches: the TMA arguments are made again over the call's own tensors
         if signature is not None:
             signature = (signature, "hopper-dq" if dq_kernel else "hopper")
-        launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq_out, dk, dv, _seed_tensor(seed)),
+        launch_or_replay(_BACKWARD_CALLS, signature,
+                         (do, q, k, v, o, lse, delta, dq_out, dk, dv, _seed_tensor(seed), *_cu_tensors(varlen)),
                          lambda: _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right, scale,
                                                       dropout_p, seed, dq_kernel),
                          _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
@@ -595,7 +606,8 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
             return dq_out.to(q.dtype), dk, dv  # one call allocates and casts
         return _empty_output(q).copy_(dq_out[..., :d]), dk, dv
     dq = _empty_output(q)
-    launch_or_replay(_BACKWARD_CALLS, signature, (do, q, k, v, o, lse, delta, dq, dk, dv, _seed_tensor(seed)),
+    launch_or_replay(_BACKWARD_CALLS, signature,
+                     (do, q, k, v, o, lse, delta, dq, dk, dv, _seed_tensor(seed), *_cu_tensors(varlen)),
                      lambda: _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed,
                                            varlen, traceable, dims),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
@@ -775,7 +787,7 @@ flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _AttentionPlan(NamedTuple):
     """A call's checked arguments (``kernels._common.eager``): all that ``_attend`` needs besides the tensors and
-    the seed. Stored per call signature for dense calls; packed calls make one per call."""
+    the seed. Stored per call signature (``_PLANS`` for dense calls, ``_VARLEN_PLANS`` for packed ones)."""
     cast_dtype: torch.dtype | None  # autocast's dtype for the call, None outside autocast
     left: int  # the band: keys p - left .. p + right of query position p (-1: unbounded)
     right: int
@@ -896,70 +908,78 @@ _apply = function_apply(_FlashAttentionFunction)
 _NATIVE_CALLS = PreparedCache()
 
 
-def _native_attention(key, plan: _AttentionPlan, q, k, v, seed: Seed | None):
+def _native_attention(key, plan: _AttentionPlan, q, k, v, seed: Seed | None, varlen=None):
     """``(o, lse)`` of a call through its compiled-tier program (built on the first call of its plan key, strides
     and stream), or None where it has none: CPU tensors, inputs autocast must cast, CUDA graph capture (which draws
     its seeds on the device), a misaligned tensor, a call whose launches cannot be replayed (the decode-shaped
-    forward, which is not recorded)."""
+    forward, which is not recorded). ``varlen``: a packed call's, whose key holds the longest sequences."""
     if not q.is_cuda or (plan.cast_dtype is not None and not q.dtype == k.dtype == v.dtype == plan.cast_dtype) or \
             torch.cuda.is_current_stream_capturing():
         return None
     stream = current_stream_handle(q.device)
-    program_key = (key, q.stride(), k.stride(), v.stride(), stream)
+    inputs = [q, k, v] if varlen is None else [q, k, v, varlen[0], varlen[1]]
+    program_key = (key, *(t.stride() for t in inputs), stream)
     program = _NATIVE_CALLS.get(program_key)
     if program is None:
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        program = _native_attention_program(q, k, v, plan, needs_grad) or False
+        program = _native_attention_program(q, k, v, plan, needs_grad, varlen) or False
         _NATIVE_CALLS.put(program_key, program)
     if program is False:
         return None
     words = key_words(seed_for_call(seed, q.device)) if plan.dropout_p > 0 else (0, 0)
-    return native_module().run(program, [q, k, v], list(words), stream)
+    return native_module().run(program, inputs, list(words), stream)
 
 
-def _native_attention_program(q, k, v, plan: _AttentionPlan, needs_grad: bool):
-    """The compiled-tier program of a dense call: its forward and (``needs_grad``) backward run once through the
-    Python path with seed 0 (a program takes each call's seed words), the backward on an uninitialised gradient in
-    o's layout, with their recorded launches observed; None when either has none the extension can replay. The
-    forward's tensors (``_fwd_impl``): q, k, v, o, lse, the device seed; the backward's (``_bwd_impl``): dO, q, k, v,
-    o, lse, delta, dQ (or the fp32 accumulator a copy then casts into dQ), dK, dV, the device seed."""
+def _native_attention_program(q, k, v, plan: _AttentionPlan, needs_grad: bool, varlen=None):
+    """The compiled-tier program of a call: its forward and (``needs_grad``) backward run once through the Python
+    path with seed 0 (a program takes each call's seed words), the backward on an uninitialised gradient in o's
+    layout, with their recorded launches observed; None when either has none the extension can replay. The
+    forward's tensors (``_fwd_impl``): q, k, v, o, lse, the device seed, the cumulative lengths; the backward's
+    (``_bwd_impl``): dO, q, k, v, o, lse, delta, dQ (or the fp32 accumulator a copy then casts into dQ), dK, dV, the
+    device seed, the cumulative lengths. A packed call's inputs are q, k, v and its two cumulative lengths, which
+    the forward saves for the backward."""
     native = native_module()
     left, right, scale, dropout_p = plan.left, plan.right, plan.scale, plan.dropout_p
     with observed_calls() as seen:
-        o, lse = _fwd_impl(q, k, v, left, right, scale, dropout_p, 0)
+        o, lse = _fwd_impl(q, k, v, left, right, scale, dropout_p, 0, varlen)
     found = native_observed(seen, _FORWARD_CALLS)
     launches = None if found is None else native_launches(found[0], found[1], native)
     if launches is None or found[1][3] is not o or found[1][4] is not lse:
         return None
     fwd = Refs(native)
     q_ref, k_ref, v_ref = (fwd.of("INPUT", i) for i in range(3))
+    cu_refs = [fwd.none(), fwd.none()] if varlen is None else [fwd.of("INPUT", 3), fwd.of("INPUT", 4)]
     o_ref, lse_ref = fwd.like(o), fwd.like(lse)
     program = native.Program(
         device=q.device, launches=launches, allocs=fwd.allocs, fixed=fwd.fixed,
-        tensors=Refs.flat([q_ref, k_ref, v_ref, o_ref, lse_ref, fwd.none()]), outputs=Refs.flat([o_ref, lse_ref]),
-        saved=Refs.flat([q_ref, k_ref, v_ref, o_ref, lse_ref]), non_differentiable=[1])
+        tensors=Refs.flat([q_ref, k_ref, v_ref, o_ref, lse_ref, fwd.none(), *cu_refs]),
+        outputs=Refs.flat([o_ref, lse_ref]),
+        saved=Refs.flat([q_ref, k_ref, v_ref, o_ref, lse_ref, *(cu_refs if varlen is not None else [])]),
+        non_differentiable=[1])
     if not needs_grad:
         return program
     do = torch.empty_like(o)
     with observed_calls() as seen:
-        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, left, right, scale, dropout_p, 0, None,
+        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, left, right, scale, dropout_p, 0, varlen,
                                deterministic=plan.deterministic)
     found = native_observed(seen, _BACKWARD_CALLS)
     launches = None if found is None else native_launches(found[0], found[1], native)
     if launches is None:
         return None
-    _, _, _, _, _, recorded_lse, delta, dq_out, recorded_dk, recorded_dv, _ = found[1]
+    _, _, _, _, _, recorded_lse, delta, dq_out, recorded_dk, recorded_dv, *_ = found[1]
     if recorded_lse is not lse or recorded_dk is not dk or recorded_dv is not dv:
         return None
     bwd = Refs(native)
     dq_ref = bwd.like(dq_out)
     dk_ref, dv_ref = bwd.like(dk), bwd.like(dv)
+    saved_cu = [bwd.none(), bwd.none()] if varlen is None else [bwd.of("SAVED", 5), bwd.of("SAVED", 6)]
     program.set_backward(
         launches=launches, allocs=bwd.allocs, fixed=bwd.fixed,
         tensors=Refs.flat([bwd.of("GRAD", 0), *(bwd.of("SAVED", i) for i in range(5)), bwd.like(delta), dq_ref,
-                           dk_ref, dv_ref, bwd.none()]),
+                           dk_ref, dv_ref, bwd.none(), *saved_cu]),
         grad_layouts=[native_layout(do.shape, do.dtype, do.stride()), UNREAD],
-        input_grads=Refs.flat([dq_ref if dq is dq_out else bwd.copy(dq_ref, dq), dk_ref, dv_ref]),
+        input_grads=Refs.flat([dq_ref if dq is dq_out else bwd.copy(dq_ref, dq), dk_ref, dv_ref,
+                               *([bwd.none(), bwd.none()] if varlen is not None else [])]),
         copies=bwd.copies)
     return program
 
@@ -1032,13 +1052,36 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sequence exceeds its ``max_seqlen``). On CUDA they are not read back by default (that waits for the GPU);
     ``FUSED_KERNELS_CHECK_INDICES=1`` in the environment checks them there too.
     """
+    plans = plans_apply()
+    key = None
+    if plans and plannable(seed, causal):
+        key = _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, False)
+        if key is not None:
+            key = (key, tensor_key(cu_seqlens_q), tensor_key(cu_seqlens_k), max_seqlen_q, type(max_seqlen_q),
+                   max_seqlen_k, type(max_seqlen_k))
+            plan = _VARLEN_PLANS.get(key)
+            if plan is not None:
+                if backend_for(q) == "reference" or indices_checked(q.device):  # read back on every call
+                    _check_cumulative_lengths("q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+                    _check_cumulative_lengths("k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+                varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+                native = _native_attention(key, plan, q, k, v, seed, varlen) if native_active() else None
+                o, lse = native if native is not None else _attend(plan, q, k, v, seed, varlen)
+                return (o, lse) if return_lse else o
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_cast("attention", q, k, v)
     _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     left, right = window_edges(window_size, bool(causal))
     dropout_p = check_probability("dropout_p", dropout_p, allow_one=False)
     seed = check_seed("seed", seed)
-    plan = _AttentionPlan(None, left, right, resolve_scale(softmax_scale, q.shape[2]), dropout_p, False)
+    plan = _AttentionPlan(autocast_dtype("attention", q.device.type), left, right,
+                          resolve_scale(softmax_scale, q.shape[2]), dropout_p, False)
+    _VARLEN_PLANS.put(key, plan)
     o, lse = _attend(plan, q, k, v, seed, (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k)),
-                     apply=_FlashAttentionFunction.apply)
+                     apply=None if plans else _FlashAttentionFunction.apply)
     return (o, lse) if return_lse else o
+
+
+#: checked eager calls of ``flash_attention_varlen``: plan key (``_plan_key``'s, the cumulative lengths' tensor keys,
+#: the longest sequences with their types) -> ``_AttentionPlan``
+_VARLEN_PLANS = PlanCache()
