@@ -489,6 +489,9 @@ def test_a_stored_plan_leaves_no_argument_unchecked():
         expected = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=1)
         with pytest.raises(TypeError, match="softmax_scale"):
             flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=True)
+        flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=1, window_size=(1, 0))
+        with pytest.raises(TypeError, match="window_size"):
+            flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=1, window_size=(True, 0))
         with pytest.raises(ValueError, match="forward-only"):
             flash_attention_with_kvcache(q.clone().requires_grad_(True), k_cache, v_cache, seqlens_t,
                                          softmax_scale=1)

@@ -279,10 +279,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     """
     plans = plans_apply()
     key = None
-    if plans:
+    # a window that is not a tuple of two plain ints takes the checks every call: (True, 0) equals (1, 0) as a key
+    if plans and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int and type(
+            window_size[1]) is int:
         key = (tensor_key(q), tensor_key(k_cache), tensor_key(v_cache), tensor_key(cache_seqlens), tensor_key(k),
                tensor_key(v), tensor_key(block_table), causal, type(causal), softmax_scale, type(softmax_scale),
-               window_size, type(window_size), return_lse, type(return_lse), _scale_key(k_scale),
+               window_size, return_lse, type(return_lse), _scale_key(k_scale),
                _scale_key(v_scale), torch.is_grad_enabled())
         plan = _PLANS.get(key)
         if plan is not None:
@@ -295,7 +297,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     if plans:
         plan = (capacity, left, right, scale)
         _PLANS.put(key, plan)
-        if _PLANS.get(key) is not plan:  # a key that cannot be stored (an unhashable argument): nothing kept under it
+        if key is not None and _PLANS.get(key) is not plan:  # an unhashable argument: nothing kept under the key
             key = None
         o, lse = _kvcache_eager(key, plan, q, k_cache, v_cache, cache_seqlens, k, v, block_table, bool(return_lse),
                                 k_scale, v_scale)
