@@ -94,6 +94,21 @@ def test_a_program_whose_launches_read_past_its_tensors_or_the_calls_ints_is_ref
     assert capture.take_log() == []
 
 
+def test_a_program_is_built_once_per_key_and_a_failed_build_is_not_retried():
+    from kernels._common.launch import PreparedCache
+
+    cache, builds = PreparedCache(), []
+
+    def build(result):
+        builds.append(result)
+        return result
+
+    program = object()
+    assert [native_tier.program_for(cache, "a", lambda: build(program)) for _ in range(3)] == [program] * 3
+    assert [native_tier.program_for(cache, "b", lambda: build(None)) for _ in range(3)] == [None] * 3
+    assert builds == [program, None]
+
+
 def _norm_like_program(native):
     """A program shaped as a norm's: inputs x and w; the forward allocates y and a statistics row, returns y and
     saves x, w and the statistics; the backward allocates dx and dw from the gradient and the saved tensors."""

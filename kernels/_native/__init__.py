@@ -107,6 +107,16 @@ def launches(recorded: RecordedCall | bool | None, tensors: tuple, native=None) 
     return out
 
 
+def program_for(cache, key, build):
+    """The program kept in ``cache`` (a ``PreparedCache``) under ``key``, made by ``build()`` on the key's first call
+    (a None from it, no program, is kept as False so it is not built again); None where there is none."""
+    program = cache.get(key)
+    if program is None:
+        program = build() or False
+        cache.put(key, program)
+    return None if program is False else program
+
+
 def observed(seen: list, cache) -> tuple | None:
     """``(recorded call, tensors)`` of the last lookup in ``cache`` among the observed ones (an op may ask
     :func:`~kernels._common.launch.replayed` and then :func:`~kernels._common.launch.launch_or_replay` for one

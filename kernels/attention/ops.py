@@ -69,6 +69,7 @@ from kernels._native import launches as native_launches
 from kernels._native import layout as native_layout
 from kernels._native import module as native_module
 from kernels._native import observed as native_observed
+from kernels._native import program_for as native_program_for
 from kernels.attention import _hopper, _hopper_bwd, _hopper_bwd_dq, _hopper_bwd_split, configs
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
@@ -919,12 +920,9 @@ def _native_attention(key, plan: _AttentionPlan, q, k, v, seed: Seed | None, var
     stream = current_stream_handle(q.device)
     inputs = [q, k, v] if varlen is None else [q, k, v, varlen[0], varlen[1]]
     program_key = (key, *(t.stride() for t in inputs), stream)
-    program = _NATIVE_CALLS.get(program_key)
+    program = native_program_for(_NATIVE_CALLS, program_key, lambda: _native_attention_program(
+        q, k, v, plan, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), varlen))
     if program is None:
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        program = _native_attention_program(q, k, v, plan, needs_grad, varlen) or False
-        _NATIVE_CALLS.put(program_key, program)
-    if program is False:
         return None
     words = key_words(seed_for_call(seed, q.device)) if plan.dropout_p > 0 else (0, 0)
     return native_module().run(program, inputs, list(words), stream)

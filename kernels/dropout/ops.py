@@ -56,6 +56,7 @@ from kernels._native import active as native_active
 from kernels._native import launches as native_launches
 from kernels._native import layout as native_layout
 from kernels._native import module as native_module
+from kernels._native import program_for as native_program_for
 from kernels.dropout import configs
 from kernels.dropout._kernels import _dropout_columns_kernel, _dropout_fwd_kernel, _dropout_rows_kernel
 from reference.dropout import LANE_STRIDE
@@ -300,11 +301,8 @@ def _native_dropout(key, plan: tuple, x: torch.Tensor, seed: int | None) -> torc
     path."""
     if not (x.is_cuda and x.is_contiguous()) or x.dtype == torch.float64 or torch.cuda.is_current_stream_capturing():
         return None
-    program = _NATIVE_DROPOUTS.get(key)
+    program = native_program_for(_NATIVE_DROPOUTS, key, lambda: _native_dropout_program(x, plan[0], plan[2]))
     if program is None:
-        program = _native_dropout_program(x, plan[0], plan[2]) or False
-        _NATIVE_DROPOUTS.put(key, program)
-    if program is False:
         return None
     outputs = native_module().run(program, [x], list(key_words(seed_for_call(seed, x.device))),
                                   current_stream_handle(x.device))

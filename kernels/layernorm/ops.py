@@ -60,6 +60,7 @@ from kernels._native import launches as native_launches
 from kernels._native import layout as native_layout
 from kernels._native import module as native_module
 from kernels._native import observed as native_observed
+from kernels._native import program_for as native_program_for
 from kernels.layernorm import _hopper, configs
 from kernels.layernorm._kernels import (
     _add_dropout_norm_fwd_kernel,
@@ -597,11 +598,9 @@ def _native_norm(key, plan: tuple, x, weight, bias) -> torch.Tensor | None:
         return None
     stream = current_stream_handle(x.device)
     program_key = (key, stream)
-    program = _NATIVE_NORMS.get(program_key)
+    program = native_program_for(_NATIVE_NORMS, program_key, lambda: _native_norm_program(
+        x, weight, bias, n, eps, is_rms, deterministic, needs_grad))
     if program is None:
-        program = _native_norm_program(x, weight, bias, n, eps, is_rms, deterministic, needs_grad) or False
-        _NATIVE_NORMS.put(program_key, program)
-    if program is False:
         return None
     # the backward kernel takes the fused op's seed words too; a plain norm's are (0, 0), as its Python path passes
     outputs = native_module().run(program, [t for t in (x, weight, bias) if t is not None], [0, 0], stream)
@@ -1019,11 +1018,9 @@ def _native_add_dropout_norm(key, plan: tuple, x, residual, weight, bias, seed: 
     if not (x.is_cuda and all(t.is_contiguous() for t in tensors)) or torch.cuda.is_current_stream_capturing():
         return None
     stream = current_stream_handle(x.device)
-    program = _NATIVE_ADD_DROPOUT_NORMS.get((key, stream))
+    program = native_program_for(_NATIVE_ADD_DROPOUT_NORMS, (key, stream),
+                                 lambda: _native_add_dropout_norm_program(x, residual, weight, bias, plan))
     if program is None:
-        program = _native_add_dropout_norm_program(x, residual, weight, bias, plan) or False
-        _NATIVE_ADD_DROPOUT_NORMS.put((key, stream), program)
-    if program is False:
         return None
     dropout_p = plan[2]
     words = seeds.key_words(seeds.seed_for_call(seed, x.device)) if dropout_p > 0 else (0, 0)
