@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kernels._native as native_tier
+from kernels._common.launch import forget_recorded_launches
 from kernels._mode import DEVICE, INTERPRETER
 
 
@@ -175,6 +176,45 @@ def test_each_gradient_arrives_in_its_recorded_layout_and_an_unused_output_gives
     assert len(capture.take_log()) == 2  # forward and backward
 
 
+def _saves_its_output_program(native):
+    """Outputs: a non-differentiable one, then y; the forward saves y; the backward's launch reads the saved y and
+    the gradient of y, and the input's gradient is that gradient (handed straight back)."""
+    launch = native.Launch(function=4, grid=[1, 1, 1], block=32, shared=0, cooperative=False,
+                           params=[("ptr", 0)] * 2, tensor_slots=[0, 0, 1, 1], int_slots=[])
+    program = native.Program(device=torch.device("cpu"), launches=[launch],
+                             allocs=[([2], [], torch.int32), ([2, 3], [], torch.float32)], fixed=[],
+                             tensors=[native.ALLOC, 0, native.ALLOC, 1], outputs=[native.ALLOC, 0, native.ALLOC, 1],
+                             saved=[native.ALLOC, 1], non_differentiable=[0])
+    program.set_backward(launches=[launch], allocs=[], fixed=[], tensors=[native.SAVED, 0, native.GRAD, 1],
+                         grad_layouts=[native_tier.UNREAD, ([2, 3], [], torch.float32)],
+                         input_grads=[native.GRAD, 1])
+    return program
+
+
+def test_the_node_numbers_gradients_as_the_outputs_and_saves_an_output_as_torch_does(capture):
+    """A non-differentiable output keeps its place (the backward finds y's gradient second); a saved output reaches
+    the backward as the forward's tensor; saved-tensor hooks see it; a second backward or an output changed in place
+    is refused, as for any torch node."""
+    program = _saves_its_output_program(capture)
+    x = torch.randn(2, 3, requires_grad=True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        counts, y = capture.run(program, [x], [], 0)
+    assert not counts.requires_grad and y.requires_grad and len(packed) == 1
+    assert "RecordedBackward" in type(y.grad_fn).__name__ or "RecordedBackward" in y.grad_fn.name()
+    grad = torch.randn(2, 3)
+    y.backward(grad, retain_graph=True)
+    _, backward = capture.take_log()
+    assert _pointer(_words(backward)[0]) == y.data_ptr() and torch.equal(x.grad, grad)
+    y.backward(grad)  # retained: a second backward runs
+    with pytest.raises(RuntimeError, match=r"second time|freed"):
+        y.backward(grad)
+    _, y = capture.run(program, [x], [], 0)
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(grad)
+
+
 def test_without_a_gradient_to_compute_no_node_is_made(capture):
     program, _ = _norm_like_program(capture)
     x, w = torch.randn(2, 3), torch.randn(3)
@@ -192,6 +232,47 @@ def test_a_misaligned_input_launches_nothing_and_asks_for_the_python_path(captur
     assert x.data_ptr() % 16
     assert capture.run(program, [x, torch.randn(3)], [], 0) is None
     assert capture.take_log() == []
+
+
+def test_a_guarded_program_runs_only_the_call_it_was_built_for(capture):
+    """``call`` (the fast path) runs a program only for inputs of the dtypes, sizes and strides it was guarded with,
+    on the guarded stream's handle (capture mode has no CUDA stream to compare: the current-stream and graph-capture
+    checks are the GPU tests'); anything else launches nothing and asks for the Python side's lookup."""
+    from kernels._common.launch import PreparedCache
+
+    program, _ = _norm_like_program(capture)
+    x, w = torch.randn(2, 3), torch.randn(3)
+    assert capture.call(program, [x, w], []) is None  # never guarded
+    cache, plan = PreparedCache(), ("a plan",)
+    assert native_tier.call_last(cache, plan, [x, w], []) is None  # no program kept for the plan
+    native_tier.remember(cache, plan, program, [x, w], 0x77)
+    (y,) = native_tier.call_last(cache, plan, [torch.randn(2, 3), torch.randn(3)], [])
+    assert y.shape == (2, 3)
+    (logged,) = capture.take_log()
+    assert logged[5] == 0x77
+    strided = torch.randn(3, 2).t()  # the guarded sizes, other strides
+    others = ([x.double(), w], [torch.randn(3, 3), w], [strided, w], [x], [x, w, w])
+    assert all(capture.call(program, inputs, []) is None for inputs in others)
+    assert capture.take_log() == []
+    program.guard([strided, w], 0x78)  # a guard is replaced, not added to
+    assert capture.call(program, [x, w], []) is None
+    assert capture.call(program, [strided, w], []) is not None
+
+
+def test_the_last_program_of_a_plan_is_kept_by_the_plan_objects_identity():
+    from kernels._common.launch import PreparedCache, forget_recorded_launches
+
+    class Program:
+        def guard(self, inputs, stream):
+            self.guarded = (inputs, stream)
+
+    cache, plan, program = PreparedCache(), (1, 2.0), Program()
+    assert native_tier.last_program(cache, plan) is None
+    native_tier.remember(cache, plan, program, ["x"], 5)
+    assert native_tier.last_program(cache, plan) is program and program.guarded == (["x"], 5)
+    assert native_tier.last_program(cache, tuple([1, 2.0])) is None  # an equal plan of another key
+    forget_recorded_launches()  # kernels swapped: every program is forgotten
+    assert native_tier.last_program(cache, plan) is None
 
 
 def test_a_recorded_launch_keeps_triton_launchers_parameters_in_order(monkeypatch):
@@ -311,6 +392,7 @@ def _python_then_native(monkeypatch, programs, calls):
     python = calls()
     monkeypatch.setattr(native_tier, "NATIVE", True)
     programs._entries.clear()
+    forget_recorded_launches()  # the programs plans last ran through too
     compiled = calls()
     assert any(program is not False for program in programs._entries.values()), "no program was built"
     return python, compiled
@@ -358,12 +440,50 @@ def test_native_norms_equal_the_python_path_bit_for_bit(native, monkeypatch, kin
 
 
 @pytest.mark.cuda
+def test_native_programs_follow_the_current_stream_and_step_aside_in_graph_capture(native, monkeypatch):
+    """A program runs on the stream it was built for: another stream gets its own; a CUDA graph captured on the
+    program's own stream takes the Python path (a drawn seed stays a device seed: each replay drops anew)."""
+    import kernels.layernorm.ops as ops
+    from kernels.dropout import dropout
+    from kernels.layernorm import rms_norm
+
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    forget_recorded_launches()
+    x = torch.randn(64, 256, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(256, device=DEVICE, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    with torch.no_grad():
+        expected = [rms_norm(x, 256, w) for _ in range(3)][-1]  # the plan, the program, the guarded call
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            on_side = [rms_norm(x, 256, w) for _ in range(3)]
+            for _ in range(3):
+                dropout(x, 0.5)
+        torch.cuda.current_stream().wait_stream(side)
+        assert all(torch.equal(y, expected) for y in on_side)
+        assert len({key[1] for key, program in ops._NATIVE_NORMS._entries.items() if program}) == 2
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            captured = rms_norm(static_x, 256, w)
+            dropped = dropout(static_x, 0.5)
+        static_x.copy_(x * 2)
+        graph.replay()
+        masks = [dropped != 0]
+        graph.replay()
+        masks.append(dropped != 0)
+        torch.cuda.synchronize()
+    assert torch.equal(captured, rms_norm(x * 2, 256, w))
+    assert not torch.equal(*masks) and 0.4 < masks[0].float().mean().item() < 0.6
+
+
+@pytest.mark.cuda
 def test_native_norm_steps_aside_for_views_and_inference_still_replays(native, monkeypatch):
     import kernels.layernorm.ops as ops
     from kernels.layernorm import layer_norm
 
     monkeypatch.setattr(native_tier, "NATIVE", True)
-    ops._NATIVE_NORMS._entries.clear()
+    forget_recorded_launches()
     x = torch.randn(16, 512, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(512, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(512, device=DEVICE, dtype=torch.bfloat16)

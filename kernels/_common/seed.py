@@ -66,6 +66,19 @@ def seed_for_call(seed: int | None, device: torch.device) -> Seed:
     return draw_seed(device)
 
 
+def host_seed(seed: int | None, device: torch.device) -> int | None:
+    """:func:`seed_for_call` of an eager call that needs the seed as an int on the host (the compiled eager tier):
+    ``seed`` itself when given, else one drawn from torch's generator; None (nothing drawn) inside CUDA graph
+    capture, where a seed is drawn on the device instead."""
+    if seed is not None:
+        return seed
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        return _draw_cuda_seed(device.index)
+    return draw_seed(device)
+
+
 def seed_value(seed: Seed) -> int:
     """The seed as an unsigned 64-bit int (a device seed is read back: for the CPU twin only)."""
     if isinstance(seed, torch.Tensor):

@@ -20,6 +20,11 @@ Programs: ``layer_norm``, ``rms_norm`` and ``add_dropout_norm`` (the single-kern
 ``flash_attention_varlen`` (the cumulative lengths are inputs, saved for the backward) and
 ``flash_attention_with_kvcache`` (forward only: the append and the attention launches).
 
+A program keeps the call it was built for (``Program.guard``: the inputs' dtypes, sizes and strides, the stream),
+and each op keeps, per checked plan, the program its calls last ran through (:func:`last_program`): a later call of
+that plan hands its tensors straight to the extension's ``call``, which checks the rest in C++ (strides, the current
+stream, graph capture) and runs it, or declines and the op looks its program up on the Python side as at first.
+
 Limits: what recorded launches cannot replay (clusters, programmatic launch, kernels with scratch memory) has no
 program; a program is built for one op signature (strides included) on one stream, and every other call takes the
 Python path, as do calls under CUDA graph capture, with launch hooks installed, or with tensors off 16-byte
@@ -115,6 +120,31 @@ def program_for(cache, key, build):
         program = build() or False
         cache.put(key, program)
     return None if program is False else program
+
+
+def last_program(cache, plan):
+    """The guarded program the last call of ``plan`` (a plan object of an op's ``PlanCache``, one per plan key) ran
+    through, kept in ``cache`` (a ``PreparedCache``) by :func:`remember`; None where there is none. The extension's
+    ``call`` checks in C++ what the plan key leaves out (strides, the stream, graph capture), so a call that finds one
+    skips the Python of the program's lookup."""
+    entry = cache.get(id(plan))
+    return entry[1] if entry is not None and entry[0] is plan else None
+
+
+def call_last(cache, plan, inputs: list, ints: list) -> list | None:
+    """The outputs of the program ``plan``'s calls last ran through (:func:`last_program`), run by the extension's
+    ``call`` for ``inputs`` and ``ints``; None where there is none or where it declines (the call is not the one the
+    program was built for, graph capture, a misaligned tensor): nothing was launched."""
+    program = last_program(cache, plan)
+    return None if program is None else module().call(program, inputs, ints)
+
+
+def remember(cache, plan, program, inputs: list, stream: int) -> None:
+    """Keeps ``program`` as the last one ``plan``'s calls ran through, guarded by this call's ``inputs`` (their dtypes,
+    sizes and strides) and ``stream`` (the current one's handle). The entry holds ``plan``, so its id names no other
+    plan while it lives."""
+    program.guard(inputs, stream)
+    cache.put(id(plan), (plan, program))
 
 
 def observed(seen: list, cache) -> tuple | None:

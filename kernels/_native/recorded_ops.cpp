@@ -2,36 +2,44 @@
 //
 // What it implements: a *program* replays an op call that the Python path recorded (kernels/_common/launch.py):
 // its forward launches, the tensors it allocates, the outputs it returns, and (optionally) its backward launches
-// behind a C++ autograd node. A call through it costs the pybind11 argument conversion, one allocation per output
-// or temporary, one cuLaunchKernel per launch and, with autograd, a C++ node: no Python runs in the backward.
-// TMA arguments are encoded here (cuTensorMapEncodeTiled, as Triton's launcher does) and kept per address.
+// behind a C++ autograd node (RecordedBackward, written as torch's own backward nodes are). A call through it costs
+// the pybind11 argument conversion, one allocation per output or temporary, one cuLaunchKernel per launch and, with
+// autograd, the node: no Python runs in the backward. TMA arguments are encoded here (cuTensorMapEncodeTiled, as
+// Triton's launcher does) and kept per address. A *guarded* program (``guard``) also checks each call itself
+// (``call``): the inputs' dtypes, sizes and strides, the current stream and graph capture, so the Python side only
+// finds the program its op's checked plan last ran through.
 //
 // Limits: what a program can replay is what a recording can (kernels without scratch memory, clusters or
-// programmatic launch); the Python side builds programs and decides when one applies (same signature, same stream,
-// the recorded layouts), and every other call takes the Python path. The driver is reached through dlopen, and the
-// caller names the stream (the backward runs on its forward's, as torch's backward ops do), so the extension builds
-// against any torch with no CUDA headers (CPU builds included: tests run programs in "capture" mode, where launches
-// and tensor-map encodings are logged instead of run).
+// programmatic launch); the Python side builds programs and decides which applies (same signature, same stream,
+// the recorded layouts), and every other call takes the Python path. The driver is reached through dlopen and
+// torch's stream through its device-guard interface (the backward runs on its forward's, as torch's backward ops
+// do), so the extension builds against any torch with no CUDA headers (CPU builds included: tests run programs in
+// "capture" mode, where launches and tensor-map encodings are logged instead of run).
 //
 // The trade-off: the Python path stays the reference and the fallback; this file knows nothing of any op (a
 // program is data), so a new op needs no C++.
 
 #include <torch/extension.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // ---- the driver ------------------------------------------------------------------------------------------------
@@ -44,12 +52,14 @@ using LaunchCooperativeFn = CUresult (*)(void*, unsigned, unsigned, unsigned, un
 using EncodeTiledFn = CUresult (*)(void*, int, uint32_t, void*, const uint64_t*, const uint64_t*, const uint32_t*,
                                    const uint32_t*, int, int, int, int);
 using ErrorStringFn = CUresult (*)(CUresult, const char**);
+using StreamIsCapturingFn = CUresult (*)(void*, int*);
 
 struct Driver {
   LaunchKernelFn launch = nullptr;
   LaunchCooperativeFn launch_cooperative = nullptr;
   EncodeTiledFn encode_tiled = nullptr;
   ErrorStringFn error_string = nullptr;
+  StreamIsCapturingFn stream_is_capturing = nullptr;
 };
 
 const Driver& driver() {
@@ -62,7 +72,9 @@ const Driver& driver() {
     out.launch_cooperative = reinterpret_cast<LaunchCooperativeFn>(dlsym(lib, "cuLaunchCooperativeKernel"));
     out.encode_tiled = reinterpret_cast<EncodeTiledFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
     out.error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib, "cuGetErrorString"));
-    TORCH_CHECK(out.launch && out.launch_cooperative, "fused_kernels native: libcuda.so.1 lacks cuLaunchKernel");
+    out.stream_is_capturing = reinterpret_cast<StreamIsCapturingFn>(dlsym(lib, "cuStreamIsCapturing"));
+    TORCH_CHECK(out.launch && out.launch_cooperative && out.stream_is_capturing,
+                "fused_kernels native: libcuda.so.1 lacks cuLaunchKernel or cuStreamIsCapturing");
     return out;
   }();
   return d;
@@ -358,6 +370,13 @@ struct Program : torch::CustomClassHolder {
   std::vector<int64_t> input_grads;  // pairs into the backward's tensors, one per input: its gradient
 
   size_t ints_read() const { return std::max(forward.ints_read, has_backward ? backward.ints_read : 0); }
+
+  // The call the program was built for, which ``call`` checks each call against (set by ``guard``): each input's
+  // dtype, sizes and strides, the stream (torch's, and its handle for the launches).
+  bool guarded = false;
+  std::vector<Alloc> input_layouts;
+  std::optional<c10::Stream> stream;
+  int64_t stream_handle = 0;
 };
 
 at::Tensor allocate(const Alloc& alloc, const at::TensorOptions& options) {
@@ -446,40 +465,46 @@ at::Tensor conform(const at::Tensor& grad, const Alloc& layout) {
   return g;
 }
 
-struct RecordedFunction : public torch::autograd::Function<RecordedFunction> {
-  static variable_list forward(AutogradContext* ctx, at::TensorList inputs, c10::intrusive_ptr<Program> program,
-                               std::vector<int64_t> ints, int64_t stream) {
-    std::vector<at::Tensor> input_vector(inputs.begin(), inputs.end());
-    StageTensors tensors;
-    tensors.inputs = &input_vector;
-    TORCH_CHECK(run_stage(*program, program->forward, tensors, ints, stream),
-                "fused_kernels native: a tensor is not 16-byte aligned");
-    ctx->save_for_backward(collect(tensors, program->saved));
-    ctx->saved_data["program"] = c10::IValue::make_capsule(program);
-    ctx->saved_data["ints"] = ints;
-    ctx->saved_data["stream"] = stream;
-    variable_list outputs = collect(tensors, program->outputs);
-    if (!program->non_differentiable.empty()) {
-      variable_list fixed;
-      for (int64_t i : program->non_differentiable) fixed.push_back(outputs[i]);
-      ctx->mark_non_differentiable(fixed);
-    }
-    // an unused output's gradient stays undefined (no zeros made for it)
-    ctx->set_materialize_grads(false);
-    return outputs;
+// torch's autograd holds its nodes by std::shared_ptr (torch 2.12 and before) or by c10::intrusive_ptr (since): the
+// pointer an edge holds, and a node made as one.
+using NodePtr = std::decay_t<decltype(std::declval<torch::autograd::Edge&>().function)>;
+
+template <typename Derived, typename Ptr = NodePtr>
+auto make_node() {
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<Derived>();
+  } else {
+    return c10::make_intrusive<Derived>();
+  }
+}
+
+// The backward of a program's call: a node of torch's autograd graph written as torch's own backward nodes are (its
+// saved tensors, ints and stream are members), which costs a call less than a custom autograd Function does (no
+// context object, no dictionary of saved values, no output wrapping).
+struct RecordedBackward : public torch::autograd::Node {
+  c10::intrusive_ptr<Program> program;
+  std::vector<int64_t> ints;
+  int64_t stream = 0;
+  std::vector<torch::autograd::SavedVariable> saved;
+  std::mutex mutex;
+
+  std::string name() const override { return "fused_kernels::RecordedBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& s : saved) s.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto program = c10::static_intrusive_pointer_cast<Program>(ctx->saved_data["program"].toCapsule());
-    const auto ints = ctx->saved_data["ints"].toIntVector();
-    const int64_t n_inputs = static_cast<int64_t>(program->input_grads.size() / 2);
+  variable_list apply(variable_list&& grad_outputs) override {
+    std::lock_guard<std::mutex> lock(mutex);
+    const size_t n_inputs = program->input_grads.size() / 2;
     auto unread = [&](size_t i) {  // not differentiated: its gradient is not read
       const Alloc& layout = program->grad_layouts[i];
       return layout.sizes.size() == 1 && layout.sizes[0] == -1;
     };
     bool any_grad = false;
     for (size_t i = 0; i < grad_outputs.size(); ++i) any_grad |= !unread(i) && grad_outputs[i].defined();
-    if (!any_grad) return variable_list(n_inputs + 3);  // the outputs are unused downstream: nothing flows back
+    if (!any_grad) return variable_list(n_inputs);  // the outputs are unused downstream: nothing flows back
     std::vector<at::Tensor> grads;
     grads.reserve(grad_outputs.size());
     for (size_t i = 0; i < grad_outputs.size(); ++i) {
@@ -492,18 +517,59 @@ struct RecordedFunction : public torch::autograd::Function<RecordedFunction> {
         grads.push_back(conform(grad_outputs[i], layout));
       }
     }
-    std::vector<at::Tensor> saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> unpacked;
+    unpacked.reserve(saved.size());
+    for (const auto& s : saved) unpacked.push_back(s.unpack());
     StageTensors tensors;
     tensors.grads = &grads;
-    tensors.saved = &saved;
+    tensors.saved = &unpacked;
     // the forward's stream: the autograd engine runs a node's backward on the stream its forward ran on
-    TORCH_CHECK(run_stage(*program, program->backward, tensors, ints, ctx->saved_data["stream"].toInt()),
+    TORCH_CHECK(run_stage(*program, program->backward, tensors, ints, stream),
                 "fused_kernels native: a saved tensor is not 16-byte aligned");
-    variable_list out = collect(tensors, program->input_grads);
-    out.resize(n_inputs + 3);  // the program, the ints, the stream
-    return out;
+    return collect(tensors, program->input_grads);
   }
 };
+
+// The forward of a call that needs gradients: its outputs, the differentiable ones with a RecordedBackward as their
+// gradient function (a non-differentiable output keeps its slot among the node's inputs, as torch's custom
+// functions keep it, so the backward's gradients are numbered as the outputs).
+variable_list forward_with_node(const c10::intrusive_ptr<Program>& program, const std::vector<at::Tensor>& inputs,
+                                const std::vector<int64_t>& ints, int64_t stream) {
+  StageTensors tensors;
+  tensors.inputs = &inputs;
+  TORCH_CHECK(run_stage(*program, program->forward, tensors, ints, stream),
+              "fused_kernels native: a tensor is not 16-byte aligned");
+  variable_list outputs = collect(tensors, program->outputs);
+  auto node = make_node<RecordedBackward>();
+  node->program = program;
+  node->ints = ints;
+  node->stream = stream;
+  node->set_next_edges(torch::autograd::collect_next_edges(at::TensorList(inputs)));
+  const NodePtr base(node);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const bool fixed = std::find(program->non_differentiable.begin(), program->non_differentiable.end(),
+                                 static_cast<int64_t>(i)) != program->non_differentiable.end();
+    if (fixed || !outputs[i].defined()) {
+      node->add_input_metadata(torch::autograd::Node::undefined_input());
+    } else {
+      torch::autograd::set_history(outputs[i], base);
+    }
+  }
+  // An output the backward reads is saved as a detached alias (its data and version counter, without the node as
+  // its gradient function, which would make a cycle); the rest as they are.
+  node->saved.reserve(program->saved.size() / 2);
+  for (const at::Tensor& t : collect(tensors, program->saved)) {
+    if (!t.defined()) {
+      node->saved.emplace_back();
+      continue;
+    }
+    const bool is_output = std::any_of(outputs.begin(), outputs.end(), [&](const at::Tensor& o) {
+      return o.defined() && o.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+    });
+    node->saved.emplace_back(is_output ? t.detach() : t, /*is_output=*/false);
+  }
+  return outputs;
+}
 
 // The call, on ``stream`` (the current stream's handle): the outputs, or None (nothing launched) when a tensor is
 // not 16-byte aligned.
@@ -522,7 +588,7 @@ py::object run(const c10::intrusive_ptr<Program>& program, const std::vector<at:
   if (needs_grad && !program->has_backward) return py::none();  // a program built for calls without gradients
   variable_list outputs;
   if (needs_grad) {
-    outputs = RecordedFunction::apply(at::TensorList(inputs), program, ints, stream);
+    outputs = forward_with_node(program, inputs, ints, stream);
   } else {
     StageTensors tensors;
     tensors.inputs = &inputs;
@@ -530,6 +596,37 @@ py::object run(const c10::intrusive_ptr<Program>& program, const std::vector<at:
     outputs = collect(tensors, program->outputs);
   }
   return py::cast(outputs);
+}
+
+// Whether ``t`` is what ``layout`` describes on ``device``: its dtype, sizes and strides (any stride on a dim of size 1).
+bool matches(const at::Tensor& t, const Alloc& layout, const at::Device& device) {
+  return t.defined() && t.device() == device && t.scalar_type() == layout.dtype &&
+         t.sizes().equals(layout.sizes) && has_layout(t, layout.strides);
+}
+
+// The current stream of a CUDA device (no CUDA headers: through torch's device guard interface).
+c10::Stream current_stream(const at::Device& device) {
+  return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device);
+}
+
+// The call of a guarded program (``Program.guard``): its outputs as ``run`` gives them, or None (nothing launched)
+// where the call is not the one the program was built for (an input's dtype, sizes, strides or device, the current
+// stream), where that stream is capturing a CUDA graph, or where ``run`` declines. The Python side then takes the
+// path that builds or finds the right program; a call through here runs no Python past the lookup of the program.
+py::object call(const c10::intrusive_ptr<Program>& program, const std::vector<at::Tensor>& inputs,
+                const std::vector<int64_t>& ints) {
+  if (!program->guarded || inputs.size() != program->input_layouts.size()) return py::none();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!matches(inputs[i], program->input_layouts[i], program->device)) return py::none();
+  }
+  if (!capture_mode && program->device.is_cuda()) {
+    if (!program->stream.has_value() || !(current_stream(program->device) == *program->stream)) return py::none();
+    int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE; an error (the legacy stream beside a capture) declines too
+    if (driver().stream_is_capturing(reinterpret_cast<void*>(program->stream_handle), &status) != 0 || status != 0) {
+      return py::none();
+    }
+  }
+  return run(program, inputs, ints, program->stream_handle);
 }
 
 using AllocSpec = std::tuple<std::vector<int64_t>, std::vector<int64_t>, at::ScalarType>;
@@ -621,8 +718,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              program.has_backward = true;
            },
            py::arg("launches"), py::arg("allocs"), py::arg("fixed"), py::arg("tensors"), py::arg("grad_layouts"),
-           py::arg("input_grads"), py::arg("copies") = std::vector<CopySpec>());
+           py::arg("input_grads"), py::arg("copies") = std::vector<CopySpec>())
+      .def("guard",
+           [](Program& program, const std::vector<at::Tensor>& inputs, int64_t stream) {
+             program.input_layouts.clear();
+             for (const auto& t : inputs) {
+               TORCH_CHECK(t.defined(), "fused_kernels native: a guard's inputs are tensors");
+               program.input_layouts.push_back({t.sizes().vec(), t.strides().vec(), t.scalar_type()});
+             }
+             program.stream_handle = stream;
+             program.stream.reset();
+             if (!capture_mode && program.device.is_cuda()) program.stream = current_stream(program.device);
+             program.guarded = true;
+           },
+           py::arg("inputs"), py::arg("stream"));
   m.def("run", &run, py::arg("program"), py::arg("inputs"), py::arg("ints"), py::arg("stream"));
+  m.def("call", &call, py::arg("program"), py::arg("inputs"), py::arg("ints"));
   m.def("set_capture_mode", [](bool on) { capture_mode = on; });
   m.def("take_log", []() {
     py::list out;

@@ -47,9 +47,11 @@ from kernels._common.runtime import INTERPRETER
 from kernels._common.validate import indices_checked
 from kernels._native import Refs
 from kernels._native import active as native_active
+from kernels._native import call_last as native_call_last
 from kernels._native import launches as native_launches
 from kernels._native import module as native_module
 from kernels._native import observed as native_observed
+from kernels._native import remember as native_remember
 from kernels.attention import configs
 from kernels.attention._decode import _kvcache_append_kernel, _kvcache_attn_kernel
 from kernels.attention.checks import LOG2E, check_heads, dot_precision, resolve_scale, window_edges
@@ -330,7 +332,7 @@ def _kvcache_eager(key, plan: tuple, q, k_cache, v_cache, cache_seqlens, k, v, b
     under CUDA graph capture and calls inside ``configs.override_decode`` take the Python path."""
     capacity, left, right, scale = plan
     if key is not None and native_active() and q.is_cuda and not indices_checked(q.device) and \
-            not configs.decode_overridden() and not torch.cuda.is_current_stream_capturing():
+            not configs.decode_overridden():
         out = _native_kvcache(key, plan, q, k_cache, v_cache, cache_seqlens, k, v, block_table, return_lse, k_scale,
                               v_scale)
         if out is not None:
@@ -353,6 +355,8 @@ _KVCACHE_CALLS = PreparedCache()
 #: compiled-tier programs (``kernels._native``) by (plan key, strides, stream): a program, or False where none can be
 #: built (the call then takes the Python path)
 _NATIVE_KVCACHE = PreparedCache()
+#: the program each plan's calls last ran through (``kernels._native.last_program``)
+_NATIVE_LAST_KVCACHE = PreparedCache()
 
 
 def _native_kvcache(key, plan, q, k_cache, v_cache, cache_seqlens, k, v, block_table, return_lse, k_scale, v_scale):
@@ -360,6 +364,11 @@ def _native_kvcache(key, plan, q, k_cache, v_cache, cache_seqlens, k, v, block_t
     strides and stream runs the Python path (its result is returned) and builds the program from the launches it
     replayed or recorded; a call that recorded nothing (nothing to compute, index checks on) builds none."""
     inputs = _call_tensors(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_scale)
+    outputs = native_call_last(_NATIVE_LAST_KVCACHE, plan, inputs, [])
+    if outputs is not None:
+        return (outputs[0], outputs[1]) if return_lse else (outputs[0], None)
+    if torch.cuda.is_current_stream_capturing():
+        return None
     stream = current_stream_handle(q.device)
     program_key = (key, tuple(t.stride() for t in inputs), stream)
     program = _NATIVE_KVCACHE.get(program_key)
@@ -375,6 +384,7 @@ def _native_kvcache(key, plan, q, k_cache, v_cache, cache_seqlens, k, v, block_t
     outputs = native_module().run(program, inputs, [], stream)
     if outputs is None:
         return None
+    native_remember(_NATIVE_LAST_KVCACHE, plan, program, inputs, stream)
     return (outputs[0], outputs[1]) if return_lse else (outputs[0], None)
 
 

@@ -55,6 +55,7 @@ from kernels._common.seed import (
     SEED_WORD_PARAMETERS,
     Seed,
     dropout_scalars,
+    host_seed,
     key_words,
     op_seed_args,
     seed_for_call,
@@ -65,11 +66,13 @@ from kernels._common.seed import (
 from kernels._common.validate import indices_checked
 from kernels._native import UNREAD, Refs
 from kernels._native import active as native_active
+from kernels._native import call_last as native_call_last
 from kernels._native import launches as native_launches
 from kernels._native import layout as native_layout
 from kernels._native import module as native_module
 from kernels._native import observed as native_observed
 from kernels._native import program_for as native_program_for
+from kernels._native import remember as native_remember
 from kernels.attention import _hopper, _hopper_bwd, _hopper_bwd_dq, _hopper_bwd_split, configs
 from kernels.attention._kernels import (
     _attn_bwd_kernel,
@@ -884,7 +887,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
         key = _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, deterministic)
         plan = _PLANS.get(key)
         if plan is not None:
-            native = _native_attention(key, plan, q, k, v, seed) if native_active() else None
+            native = None
+            if native_active():
+                native, seed = _native_attention(key, plan, q, k, v, seed)
             o, lse = native if native is not None else _attend(plan, q, k, v, seed)
             return (o, lse) if return_lse else o
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
@@ -907,25 +912,41 @@ _apply = function_apply(_FlashAttentionFunction)
 #: compiled-tier programs (``kernels._native``) of dense ``flash_attention`` calls by (plan key, strides, stream): a
 #: program, or False where none can be built (the call then takes the Python path)
 _NATIVE_CALLS = PreparedCache()
+#: the program each plan's calls (dense and packed) last ran through (``kernels._native.last_program``)
+_NATIVE_LAST_CALLS = PreparedCache()
 
 
-def _native_attention(key, plan: _AttentionPlan, q, k, v, seed: Seed | None, varlen=None):
-    """``(o, lse)`` of a call through its compiled-tier program (built on the first call of its plan key, strides
-    and stream), or None where it has none: CPU tensors, inputs autocast must cast, CUDA graph capture (which draws
-    its seeds on the device), a misaligned tensor, a call whose launches cannot be replayed (the decode-shaped
-    forward, which is not recorded). ``varlen``: a packed call's, whose key holds the longest sequences."""
+def _native_attention(key, plan: _AttentionPlan, q, k, v, seed: Seed | None, varlen=None) -> tuple:
+    """``(result, seed)``: ``(o, lse)`` of a call through its compiled-tier program (built on the first call of its
+    plan key, strides and stream), or None where it has none: CPU tensors, inputs autocast must cast, CUDA graph
+    capture (which draws its seeds on the device), a misaligned tensor, a call whose launches cannot be replayed (the
+    decode-shaped forward, which is not recorded); and the seed the Python path then takes (drawn here for None
+    where the call has dropout; None inside CUDA graph capture, where nothing is drawn). ``varlen``: a packed
+    call's, whose key holds the longest sequences."""
+    inputs = [q, k, v] if varlen is None else [q, k, v, varlen[0], varlen[1]]
+    words = [0, 0]
+    if plan.dropout_p > 0:
+        seed = host_seed(seed, q.device)
+        if seed is None:
+            return None, None
+        words = list(key_words(seed))
+    result = native_call_last(_NATIVE_LAST_CALLS, plan, inputs, words)
+    if result is not None:
+        return result, seed
     if not q.is_cuda or (plan.cast_dtype is not None and not q.dtype == k.dtype == v.dtype == plan.cast_dtype) or \
             torch.cuda.is_current_stream_capturing():
-        return None
+        return None, seed
     stream = current_stream_handle(q.device)
-    inputs = [q, k, v] if varlen is None else [q, k, v, varlen[0], varlen[1]]
     program_key = (key, *(t.stride() for t in inputs), stream)
     program = native_program_for(_NATIVE_CALLS, program_key, lambda: _native_attention_program(
         q, k, v, plan, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), varlen))
     if program is None:
-        return None
-    words = key_words(seed_for_call(seed, q.device)) if plan.dropout_p > 0 else (0, 0)
-    return native_module().run(program, inputs, list(words), stream)
+        return None, seed
+    result = native_module().run(program, inputs, words, stream)
+    if result is None:
+        return None, seed
+    native_remember(_NATIVE_LAST_CALLS, plan, program, inputs, stream)
+    return result, seed
 
 
 def _native_attention_program(q, k, v, plan: _AttentionPlan, needs_grad: bool, varlen=None):
@@ -1063,7 +1084,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                     _check_cumulative_lengths("q", cu_seqlens_q, q.shape[0], max_seqlen_q)
                     _check_cumulative_lengths("k", cu_seqlens_k, k.shape[0], max_seqlen_k)
                 varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-                native = _native_attention(key, plan, q, k, v, seed, varlen) if native_active() else None
+                native = None
+                if native_active():
+                    native, seed = _native_attention(key, plan, q, k, v, seed, varlen)
                 o, lse = native if native is not None else _attend(plan, q, k, v, seed, varlen)
                 return (o, lse) if return_lse else o
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):

@@ -45,6 +45,7 @@ from kernels._common.seed import (
     SEED_WORD_PARAMETERS,
     Seed,
     dropout_scalars,
+    host_seed,
     key_words,
     op_seed_args,
     seed_for_call,
@@ -53,10 +54,12 @@ from kernels._common.seed import (
     seed_value,
 )
 from kernels._native import active as native_active
+from kernels._native import call_last as native_call_last
 from kernels._native import launches as native_launches
 from kernels._native import layout as native_layout
 from kernels._native import module as native_module
 from kernels._native import program_for as native_program_for
+from kernels._native import remember as native_remember
 from kernels.dropout import configs
 from kernels.dropout._kernels import _dropout_columns_kernel, _dropout_fwd_kernel, _dropout_rows_kernel
 from reference.dropout import LANE_STRIDE
@@ -258,7 +261,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *, seed: int
         plan = _DROPOUT_PLANS.get(key)
         if plan is not None:
             if native_active() and not plan[1] and plan[0] not in (0.0, 1.0):
-                out = _native_dropout(key, plan, x, seed)
+                out, seed = _native_dropout(key, plan, x, seed)
                 if out is not None:
                     return out
             return _dropout_run(plan, x, seed, _apply_dropout)
@@ -292,21 +295,33 @@ _apply_dropout = function_apply(_DropoutFunction)
 
 #: compiled-tier programs (``kernels._native``) by plan key: a program, or False where none can be built
 _NATIVE_DROPOUTS = PreparedCache()
+#: the program each plan's calls last ran through (``kernels._native.last_program``)
+_NATIVE_LAST_DROPOUTS = PreparedCache()
 
 
-def _native_dropout(key, plan: tuple, x: torch.Tensor, seed: int | None) -> torch.Tensor | None:
-    """A dropout call (not in place, 0 < p < 1) through its compiled-tier program, built on the first call of its
-    plan key; None where it has none (CPU tensors, float64, which runs the twin, a tensor that is not contiguous,
-    CUDA graph capture, which draws its seeds on the device, a misaligned tensor): the call then takes the Python
-    path."""
-    if not (x.is_cuda and x.is_contiguous()) or x.dtype == torch.float64 or torch.cuda.is_current_stream_capturing():
-        return None
+def _native_dropout(key, plan: tuple, x: torch.Tensor, seed: int | None) -> tuple:
+    """``(out, seed)``: a dropout call (not in place, 0 < p < 1) through its compiled-tier program, built on the first
+    call of its plan key; ``out`` None where it has none (CPU tensors, float64, which runs the twin, a tensor that is
+    not contiguous, CUDA graph capture, which draws its seeds on the device, a misaligned tensor): the call then
+    takes the Python path with ``seed``, the one drawn here for None where one was."""
+    seed = host_seed(seed, x.device)
+    if seed is None:
+        return None, None
+    words = list(key_words(seed))
+    outputs = native_call_last(_NATIVE_LAST_DROPOUTS, plan, [x], words)
+    if outputs is not None:
+        return outputs[0], seed
+    if not (x.is_cuda and x.is_contiguous()) or x.dtype == torch.float64:
+        return None, seed
     program = native_program_for(_NATIVE_DROPOUTS, key, lambda: _native_dropout_program(x, plan[0], plan[2]))
     if program is None:
-        return None
-    outputs = native_module().run(program, [x], list(key_words(seed_for_call(seed, x.device))),
-                                  current_stream_handle(x.device))
-    return None if outputs is None else outputs[0]
+        return None, seed
+    stream = current_stream_handle(x.device)
+    outputs = native_module().run(program, [x], words, stream)
+    if outputs is None:
+        return None, seed
+    native_remember(_NATIVE_LAST_DROPOUTS, plan, program, [x], stream)
+    return outputs[0], seed
 
 
 def _native_dropout_program(x: torch.Tensor, p: float, needs_grad: bool):

@@ -56,11 +56,13 @@ from kernels._common.runtime import INTERPRETER, is_hopper
 from kernels._common.seed import SEED_WORD_PARAMETERS, Seed
 from kernels._native import Refs
 from kernels._native import active as native_active
+from kernels._native import call_last as native_call_last
 from kernels._native import launches as native_launches
 from kernels._native import layout as native_layout
 from kernels._native import module as native_module
 from kernels._native import observed as native_observed
 from kernels._native import program_for as native_program_for
+from kernels._native import remember as native_remember
 from kernels.layernorm import _hopper, configs
 from kernels.layernorm._kernels import (
     _add_dropout_norm_fwd_kernel,
@@ -583,6 +585,8 @@ def _norm_run(plan: tuple, x, weight, bias, apply):
 #: compiled-tier programs of the plain norms (``kernels._native``) by (plan key, stream): a program, or False where
 #: none can be built (the call then takes the Python path)
 _NATIVE_NORMS = PreparedCache()
+#: the program each norm plan's calls last ran through (``kernels._native.last_program``)
+_NATIVE_LAST_NORMS = PreparedCache()
 
 
 def _native_norm(key, plan: tuple, x, weight, bias) -> torch.Tensor | None:
@@ -593,6 +597,11 @@ def _native_norm(key, plan: tuple, x, weight, bias) -> torch.Tensor | None:
     n, eps, is_rms, deterministic, needs_grad, cast = plan
     if cast is not None:
         x, weight, bias = _autocast_to(cast, x, weight, bias)
+    inputs = [x] if weight is None and bias is None else [t for t in (x, weight, bias) if t is not None]
+    # the backward kernel takes the fused op's seed words too; a plain norm's are (0, 0), as its Python path passes
+    outputs = native_call_last(_NATIVE_LAST_NORMS, plan, inputs, [0, 0])
+    if outputs is not None:
+        return outputs[0]
     if not (x.is_cuda and x.is_contiguous() and (weight is None or weight.is_contiguous())
             and (bias is None or bias.is_contiguous())) or torch.cuda.is_current_stream_capturing():
         return None
@@ -602,9 +611,11 @@ def _native_norm(key, plan: tuple, x, weight, bias) -> torch.Tensor | None:
         x, weight, bias, n, eps, is_rms, deterministic, needs_grad))
     if program is None:
         return None
-    # the backward kernel takes the fused op's seed words too; a plain norm's are (0, 0), as its Python path passes
-    outputs = native_module().run(program, [t for t in (x, weight, bias) if t is not None], [0, 0], stream)
-    return None if outputs is None else outputs[0]
+    outputs = native_module().run(program, inputs, [0, 0], stream)
+    if outputs is None:
+        return None
+    native_remember(_NATIVE_LAST_NORMS, plan, program, inputs, stream)
+    return outputs[0]
 
 
 def _native_norm_program(x, weight, bias, n, eps, is_rms, deterministic, needs_grad):
@@ -629,7 +640,9 @@ def _native_norm_program(x, weight, bias, n, eps, is_rms, deterministic, needs_g
         inputs[name] = fwd.of("INPUT", present) if t is not None else fwd.none()
         present += t is not None
     y_ref = fwd.alloc(x.shape, y.dtype)
-    mean_ref, rstd_ref = fwd.alloc(mean.shape, mean.dtype), fwd.alloc(rstd.shape, rstd.dtype)
+    # RMSNorm has no mean: its empty tensor has no memory (address 0), so the program passes none, allocating nothing
+    mean_ref = fwd.alloc(mean.shape, mean.dtype) if mean.numel() else fwd.none()
+    rstd_ref = fwd.alloc(rstd.shape, rstd.dtype)
     program = native.Program(
         device=x.device, launches=launches, allocs=fwd.allocs, fixed=fwd.fixed,
         tensors=Refs.flat([inputs["x"], y_ref, inputs["weight"], inputs["bias"], mean_ref, rstd_ref, fwd.none()]),
@@ -948,9 +961,10 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
                torch.is_grad_enabled(), autocast_key("cuda"))
         plan = _ADD_DROPOUT_NORM_PLANS.get(key)
         if plan is not None:
-            native = _native_add_dropout_norm(key, plan, x, residual, weight, bias, seed) if native_active() else None
-            if native is not None:
-                return native
+            if native_active():
+                native, seed = _native_add_dropout_norm(key, plan, x, residual, weight, bias, seed)
+                if native is not None:
+                    return native
             return _add_dropout_norm_run(plan, x, residual, weight, bias, seed, _apply_add_dropout_norm)
     check_tensor("x", x)
     check_float_dtype("x", x)
@@ -1008,24 +1022,37 @@ _apply_add_dropout_norm = function_apply(_AddDropoutNormFunction)
 
 #: compiled-tier programs of ``add_dropout_norm`` (``kernels._native``) by (plan key, stream), or False
 _NATIVE_ADD_DROPOUT_NORMS = PreparedCache()
+#: the program each plan's calls last ran through (``kernels._native.last_program``)
+_NATIVE_LAST_ADD_DROPOUT_NORMS = PreparedCache()
 
 
-def _native_add_dropout_norm(key, plan: tuple, x, residual, weight, bias, seed: int | None) -> tuple | None:
-    """``(y, residual_out)`` of a call through its compiled-tier program (built on the first call of its plan key
-    and stream), or None where it has none (as :func:`_native_norm`; also rows too wide for the single-pass forward,
-    whose norm is a second call)."""
+def _native_add_dropout_norm(key, plan: tuple, x, residual, weight, bias, seed: int | None) -> tuple:
+    """``(outputs, seed)``: ``(y, residual_out)`` of a call through its compiled-tier program (built on the first call
+    of its plan key and stream), or None where it has none (as :func:`_native_norm`; also rows too wide for the
+    single-pass forward, whose norm is a second call), and the seed the Python path then takes (drawn here for
+    None where the call drops anything; None inside CUDA graph capture, where nothing is drawn)."""
     tensors = [t for t in (x, residual, weight, bias) if t is not None]
+    words = [0, 0]
+    if plan[2] > 0:
+        seed = seeds.host_seed(seed, x.device)
+        if seed is None:
+            return None, None
+        words = list(seeds.key_words(seed))
+    outputs = native_call_last(_NATIVE_LAST_ADD_DROPOUT_NORMS, plan, tensors, words)
+    if outputs is not None:
+        return tuple(outputs), seed
     if not (x.is_cuda and all(t.is_contiguous() for t in tensors)) or torch.cuda.is_current_stream_capturing():
-        return None
+        return None, seed
     stream = current_stream_handle(x.device)
     program = native_program_for(_NATIVE_ADD_DROPOUT_NORMS, (key, stream),
                                  lambda: _native_add_dropout_norm_program(x, residual, weight, bias, plan))
     if program is None:
-        return None
-    dropout_p = plan[2]
-    words = seeds.key_words(seeds.seed_for_call(seed, x.device)) if dropout_p > 0 else (0, 0)
-    outputs = native_module().run(program, tensors, list(words), stream)
-    return None if outputs is None else tuple(outputs)
+        return None, seed
+    outputs = native_module().run(program, tensors, words, stream)
+    if outputs is None:
+        return None, seed
+    native_remember(_NATIVE_LAST_ADD_DROPOUT_NORMS, plan, program, tensors, stream)
+    return tuple(outputs), seed
 
 
 def _native_add_dropout_norm_program(x, residual, weight, bias, plan: tuple):
@@ -1050,7 +1077,9 @@ def _native_add_dropout_norm_program(x, residual, weight, bias, plan: tuple):
     x_ref, residual_ref, weight_ref, bias_ref = (
         fwd.of("INPUT", next(present)) if t is not None else fwd.none() for t in (x, residual, weight, bias))
     residual_out_ref, y_ref = fwd.alloc(x.shape, residual_out.dtype), fwd.alloc(x.shape, y.dtype)
-    mean_ref, rstd_ref = fwd.alloc(mean.shape, mean.dtype), fwd.alloc(rstd.shape, rstd.dtype)
+    # RMSNorm has no mean: its empty tensor has no memory (address 0), so the program passes none, allocating nothing
+    mean_ref = fwd.alloc(mean.shape, mean.dtype) if mean.numel() else fwd.none()
+    rstd_ref = fwd.alloc(rstd.shape, rstd.dtype)
     program = native.Program(
         device=x.device, launches=launches, allocs=fwd.allocs, fixed=fwd.fixed,
         tensors=Refs.flat([x_ref, residual_ref, residual_out_ref, y_ref, weight_ref, bias_ref, mean_ref, rstd_ref]),
