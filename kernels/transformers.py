@@ -38,6 +38,12 @@ Rotary embedding (:func:`apply`): an attention module whose forward calls its py
 the module's class becomes a same-named subclass whose forward marks the thread, and the module's function is
 wrapped to take our kernel while a marked forward runs (transformers' own everywhere else, and under torch.compile).
 
+GPT-2 blocks (:func:`apply`, with norms): in a training step each ``GPT2Block`` computes its residual steps with
+:func:`kernels.layernorm.add_dropout_norm`: ``ln_2(dropout(attention) + residual)`` in one kernel, and
+``dropout(mlp) + residual`` with the LayerNorm after the block (the next block's ``ln_1``, or ``ln_f``) in another,
+whose rows that norm takes (:func:`_gpt2_block_forward`); evaluation, gradient checkpointing, cross-attention,
+torch.compile and modules with hooks keep the class's forward.
+
 Norms (:func:`apply`): each module of a class in :data:`NORM_CLASSES` computes with
 :func:`kernels.layernorm.rms_norm` with that class's exact semantics; ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``
 become :mod:`kernels.layernorm`'s drop-ins (``kernels.replace_modules``). The module keeps its identity, parameters,
@@ -70,7 +76,8 @@ except ImportError as error:  # pragma: no cover - the optional dependency is mi
     raise ImportError("kernels.transformers needs transformers: pip install 'fused-kernels[transformers]'") from error
 
 from kernels.attention import apply_rotary, flash_attention, flash_attention_varlen
-from kernels.layernorm import rms_norm
+from kernels.dropout import dropout
+from kernels.layernorm import add_dropout_norm, rms_norm
 from kernels.swap import replace_modules
 
 #: the attention implementation name this module registers
@@ -450,6 +457,140 @@ def _patch_rotary(model: torch.nn.Module, report: dict[str, str]) -> None:
         report[name] = "rotary embedding: kernels.attention.apply_rotary"
 
 
+# --- GPT-2 blocks: dropout, residual add and LayerNorm as one kernel ----------------------------------------
+
+_GPT2_BLOCK = ("transformers.models.gpt2.modeling_gpt2", "GPT2Block")
+_GPT2_MODEL = ("transformers.models.gpt2.modeling_gpt2", "GPT2Model")
+
+#: each fused GPT-2 block -> a weak reference to the LayerNorm that follows it (the next block's ``ln_1``, or the
+#: model's ``ln_f``), kept outside the module so that neither its submodules nor its state_dict change
+_NEXT_NORM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+#: the normalised rows a block computed for the next LayerNorm, per thread: (the block's output, its version, the
+#: norm module, the rows)
+_HANDOFF = threading.local()
+
+
+def _class_of(path_and_name: tuple[str, str]) -> type | None:
+    try:
+        return getattr(importlib.import_module(path_and_name[0]), path_and_name[1])
+    except (ImportError, AttributeError):
+        return None
+
+
+def _plain(module: torch.nn.Module) -> bool:
+    """Whether a module runs as its class says when called: no hooks, its own or global, that a fused call would
+    skip."""
+    hooks = torch.nn.modules.module
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+def _fusable_norm(norm) -> bool:
+    return (isinstance(norm, torch.nn.LayerNorm) and norm.weight is not None and norm.bias is not None
+            and len(norm.normalized_shape) == 1 and _plain(norm))
+
+
+def _handed_off(hidden_states: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor | None:
+    """The rows the previous block normalised for ``norm`` from exactly ``hidden_states`` (the same tensor, not
+    changed in place since), taken once; None otherwise."""
+    handoff = getattr(_HANDOFF, "value", None)
+    if handoff is None:
+        return None
+    _HANDOFF.value = None
+    output, version, target, rows = handoff
+    if output is hidden_states and target is norm and hidden_states._version == version:
+        return rows
+    return None
+
+
+class _DropoutDeferred:
+    """Within the ``with``: ``module`` (a dropout) passes its input through, its probability (0 when it is not
+    training) given to the caller, who applies it in a fused kernel; restored on the way out."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __enter__(self) -> float:
+        self.p = self.module.p
+        self.module.p = 0.0
+        return float(self.p) if self.module.training else 0.0
+
+    def __exit__(self, *exc) -> None:
+        self.module.p = self.p
+
+
+def _gpt2_block_fusable(block, hidden_states, encoder_hidden_states) -> bool:
+    """A training step's block whose residual steps can be fused: grad on, training, no cross-attention, no
+    gradient checkpointing (a recomputed forward must draw the same masks as torch's dropout), LayerNorms and
+    dropouts of the plain classes without hooks, not under torch.compile (which fuses for itself)."""
+    return (block.training and torch.is_grad_enabled() and encoder_hidden_states is None
+            and not torch.compiler.is_compiling() and isinstance(hidden_states, torch.Tensor)
+            and hidden_states.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and not getattr(block, "gradient_checkpointing", False)
+            and _fusable_norm(block.ln_1) and _fusable_norm(block.ln_2)
+            and all(type(d) is torch.nn.Dropout and _plain(d) for d in (block.attn.resid_dropout, block.mlp.dropout)))
+
+
+def _gpt2_block_forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
+                        encoder_attention_mask=None, use_cache=False, **kwargs):
+    """GPT2Block's forward with its residual steps fused: ``ln_2(dropout(attention) + residual)`` as one
+    :func:`kernels.layernorm.add_dropout_norm`, and ``dropout(mlp) + residual`` with the LayerNorm that follows the
+    block (the next block's ``ln_1``, the model's ``ln_f``) as another, whose normalised rows the next one takes
+    (:func:`_handed_off`). Every other call runs the class's own forward."""
+    base = type(self)._fused_kernels_base
+    if not _gpt2_block_fusable(self, hidden_states, encoder_hidden_states):
+        return base.forward(self, hidden_states, past_key_values, attention_mask, encoder_hidden_states,
+                            encoder_attention_mask, use_cache, **kwargs)
+    residual = hidden_states
+    x = _handed_off(hidden_states, self.ln_1)
+    if x is None:
+        x = self.ln_1(hidden_states)
+    with _DropoutDeferred(self.attn.resid_dropout) as p:
+        attn_output, _ = self.attn(x, past_key_values=past_key_values, attention_mask=attention_mask,
+                                   use_cache=use_cache, **kwargs)
+    x, hidden_states = add_dropout_norm(attn_output, residual, self.ln_2.weight, self.ln_2.bias, eps=self.ln_2.eps,
+                                        dropout_p=p)
+    with _DropoutDeferred(self.mlp.dropout) as p:
+        feed_forward = self.mlp(x)
+    following = _NEXT_NORM.get(self)
+    following = following() if following is not None else None
+    if following is None or not _fusable_norm(following):
+        return hidden_states + (dropout(feed_forward, p) if p else feed_forward)
+    rows, hidden_states = add_dropout_norm(feed_forward, hidden_states, following.weight, following.bias,
+                                           eps=following.eps, dropout_p=p)
+    _HANDOFF.value = (hidden_states, hidden_states._version, following, rows)
+    return hidden_states
+
+
+def _final_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A GPT-2 model's ``ln_f`` after a fused block: the rows the block normalised for it, else its own forward."""
+    rows = _handed_off(x, self)
+    return rows if rows is not None else type(self)._fused_kernels_base.forward(self, x)
+
+
+def _fuse_gpt2_blocks(model: torch.nn.Module, report: dict[str, str]) -> None:
+    """Every GPT2Model in ``model`` whose norms are ours: its blocks take :func:`_gpt2_block_forward`, its ``ln_f``
+    :func:`_final_norm_forward`; each block is told which LayerNorm follows it."""
+    block_cls, model_cls = _class_of(_GPT2_BLOCK), _class_of(_GPT2_MODEL)
+    if block_cls is None or model_cls is None:
+        return
+    names = {module: name for name, module in model.named_modules()}
+    for gpt2 in [m for m in model.modules() if isinstance(m, model_cls)]:
+        blocks = [b for b in gpt2.h if getattr(type(b), "_fused_kernels_base", type(b)) is block_cls]
+        if len(blocks) != len(gpt2.h) or not isinstance(gpt2.ln_f, torch.nn.LayerNorm):
+            continue
+        for block, following in zip(blocks, [*(b.ln_1 for b in blocks[1:]), gpt2.ln_f], strict=True):
+            block.__class__ = _patched(block_cls, _gpt2_block_forward)
+            _NEXT_NORM[block] = weakref.ref(following)
+            report[names[block]] = "dropout + residual + LayerNorm fused: kernels.layernorm.add_dropout_norm"
+        base = getattr(type(gpt2.ln_f), "_fused_kernels_base", type(gpt2.ln_f))
+        gpt2.ln_f.__class__ = _patched(base, _final_norm_forward)
+        name = names[gpt2.ln_f]
+        report[name] = report.get(name, "LayerNorm") + ", the rows the last block normalised for it"
+
+
 # --- norms ------------------------------------------------------------------------------------------------
 
 def _llama_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -581,7 +722,7 @@ def apply(model: torch.nn.Module, *, attention: bool = True, norms: bool = True,
           padding_free: bool = True) -> dict[str, str]:
     """Make a built transformers ``model`` compute with fused-kernels, in place: its attention implementation
     becomes ``"fused_kernels"`` (``model.set_attn_implementation``) and every norm module of a known class computes
-    with our kernels (see the module docstring). With ``attention`` and ``padding_free``, a causal-LM or masked-LM
+    with our kernels, GPT-2 blocks fusing their residual steps with the norms (see the module docstring). With ``attention`` and ``padding_free``, a causal-LM or masked-LM
     model's forward runs a padded batch without its pad tokens (:class:`_PaddingFreeForward`). Returns ``{module
     name: what it became}``; norm-like modules of classes it does not know (an RMSNorm of a model family not in
     :data:`NORM_CLASSES`) are listed as ``"left alone: <class>"``. Calling it again changes nothing."""
@@ -610,4 +751,5 @@ def apply(model: torch.nn.Module, *, attention: bool = True, norms: bool = True,
             report[name] = f"left alone: {cls.__module__}.{cls.__name__}"
     for name, cls in replace_modules(model, dropout=False).items():
         report[name] = f"{cls.__name__} -> kernels.layernorm.{cls.__name__}"
+    _fuse_gpt2_blocks(model, report)
     return report

@@ -184,6 +184,84 @@ def test_rotary_embedding_runs_our_kernel_in_patched_models_only(name, monkeypat
     torch.testing.assert_close(got, expected_before, rtol=1e-4, atol=1e-4)
 
 
+def _count_calls(monkeypatch, owner, name: str) -> list:
+    """Each call of ``owner.name`` from now on: its keyword arguments."""
+    calls, original = [], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def _gpt2(**dropouts):
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64,
+                                     **{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **dropouts})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(DEVICE).float().train()
+
+
+def test_gpt2_blocks_fuse_dropout_residual_and_the_next_layernorm(monkeypatch):
+    """In training each GPT-2 block runs two add_dropout_norm calls (its ln_2, and the LayerNorm after it: the next
+    block's ln_1 or ln_f, which take the rows handed to them): the first block's ln_1 is the one LayerNorm left; the
+    logits and every gradient equal the unpatched model's."""
+    import kernels.layernorm.modules as norm_modules
+
+    reference = _gpt2()
+    ours = copy.deepcopy(reference)
+    report = fused.apply(ours)
+    assert all("add_dropout_norm" in report[f"transformer.h.{i}"] for i in range(3))
+    assert "normalised for it" in report["transformer.ln_f"]
+    assert ours.state_dict().keys() == reference.state_dict().keys()
+    assert dict(ours.named_modules()).keys() == dict(reference.named_modules()).keys()
+    fused_calls = _count_calls(monkeypatch, fused, "add_dropout_norm")
+    norm_calls = _count_calls(monkeypatch, norm_modules, "layer_norm")
+    ids, mask = _batch("none")
+    expected, expected_grads = _forward_backward(reference, ids, mask)
+    got, grads = _forward_backward(ours, ids, mask)
+    assert len(fused_calls) == 6 and len(norm_calls) == 1
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert grads.keys() == expected_grads.keys()
+    for n in grads:
+        scale = max(1.0, expected_grads[n].abs().max().item())
+        torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-3, atol=1e-4 * scale, msg=n)
+
+
+def test_gpt2_blocks_give_their_dropout_to_the_fused_kernel_and_run_unfused_where_they_must(monkeypatch):
+    """The residual dropouts' probability goes to add_dropout_norm (the dropout modules pass their input through
+    meanwhile, and keep their p); evaluation, gradient checkpointing and a hook on a block's output that replaces it
+    run without the fusion or its hand-off, and match the unpatched model."""
+    model = _gpt2(resid_pdrop=0.25)
+    fused.apply(model)
+    calls = _count_calls(monkeypatch, fused, "add_dropout_norm")
+    ids, mask = _batch("none")
+    _output(model, ids, mask).sum().backward()
+    assert [c["dropout_p"] for c in calls] == [0.25] * 6
+    assert all(b.attn.resid_dropout.p == 0.25 and b.mlp.dropout.p == 0.25 for b in model.transformer.h)
+    assert all(p.grad is not None for p in model.parameters())
+
+    reference = _gpt2()
+    for case in ("eval", "checkpointing", "hook"):
+        ours, expected_model = copy.deepcopy(reference), copy.deepcopy(reference)
+        fused.apply(ours)
+        calls.clear()
+        if case == "eval":
+            ours.eval()
+            expected_model.eval()
+        elif case == "checkpointing":
+            for m in (ours, expected_model):
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            for m in (ours, expected_model):
+                m.transformer.h[0].register_forward_hook(lambda module, args, output: output * 0.5)
+        got, expected = _output(ours, ids, mask), _output(expected_model, ids, mask)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=case)
+        assert len(calls) == {"eval": 0, "checkpointing": 0, "hook": 6}[case], case
+
+
 def test_apply_keeps_parameters_state_dict_and_isinstance():
     model = _model("llama")
     norm = model.model.norm
