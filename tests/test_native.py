@@ -275,6 +275,20 @@ def test_the_last_program_of_a_plan_is_kept_by_the_plan_objects_identity():
     assert native_tier.last_program(cache, plan) is None
 
 
+def test_a_forward_mode_tangent_asks_for_the_python_path(capture):
+    """A program has no jvp: a dual input launches nothing, and the op's Python path answers (an autograd.Function
+    without a jvp refuses it), so the tangent is never dropped silently."""
+    import torch.autograd.forward_ad as forward_ad
+
+    program, _ = _norm_like_program(capture)
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.randn(2, 3))
+        assert capture.run(program, [dual, w], [], 0) is None
+    assert capture.take_log() == []
+    assert capture.run(program, [x, w], [], 0) is not None  # outside: the same call runs
+
+
 def test_a_recorded_launch_keeps_triton_launchers_parameters_in_order(monkeypatch):
     """A launch's native form takes the compiled kernel's signature: constexprs (declared, or an argument Triton
     specialised to one: an int equal to 1, a None pointer) are left out, and each tensor or int slot lands on its

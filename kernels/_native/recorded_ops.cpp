@@ -572,7 +572,7 @@ variable_list forward_with_node(const c10::intrusive_ptr<Program>& program, cons
 }
 
 // The call, on ``stream`` (the current stream's handle): the outputs, or None (nothing launched) when a tensor is
-// not 16-byte aligned.
+// not 16-byte aligned or carries a forward-mode tangent.
 py::object run(const c10::intrusive_ptr<Program>& program, const std::vector<at::Tensor>& inputs,
                const std::vector<int64_t>& ints, int64_t stream) {
   uint64_t aligned = 0;
@@ -580,6 +580,8 @@ py::object run(const c10::intrusive_ptr<Program>& program, const std::vector<at:
   for (const auto& t : inputs) {
     aligned |= reinterpret_cast<uint64_t>(t.data_ptr());
     needs_grad |= t.requires_grad();
+    // a tangent of forward-mode AD: the program has no jvp, so the Python path answers as it does for such a call
+    if (t._fw_grad(/*level=*/0).defined()) return py::none();
   }
   if (aligned & 15) return py::none();
   TORCH_CHECK(ints.size() >= program->ints_read(), "fused_kernels native: the call passes fewer ints than its "
