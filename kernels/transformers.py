@@ -722,10 +722,11 @@ def apply(model: torch.nn.Module, *, attention: bool = True, norms: bool = True,
           padding_free: bool = True) -> dict[str, str]:
     """Make a built transformers ``model`` compute with fused-kernels, in place: its attention implementation
     becomes ``"fused_kernels"`` (``model.set_attn_implementation``) and every norm module of a known class computes
-    with our kernels, GPT-2 blocks fusing their residual steps with the norms (see the module docstring). With ``attention`` and ``padding_free``, a causal-LM or masked-LM
-    model's forward runs a padded batch without its pad tokens (:class:`_PaddingFreeForward`). Returns ``{module
-    name: what it became}``; norm-like modules of classes it does not know (an RMSNorm of a model family not in
-    :data:`NORM_CLASSES`) are listed as ``"left alone: <class>"``. Calling it again changes nothing."""
+    with our kernels, GPT-2 blocks fusing their residual steps with the norms (see the module docstring). With
+    ``attention`` and ``padding_free``, a causal-LM or masked-LM model's forward runs a padded batch without its pad
+    tokens (:class:`_PaddingFreeForward`). Returns ``{module name: what it became}``; norm-like modules of classes it
+    does not know (an RMSNorm of a model family not in :data:`NORM_CLASSES`) are listed as ``"left alone:
+    <class>"``. Calling it again changes nothing."""
     report: dict[str, str] = {}
     if attention:
         model.set_attn_implementation(NAME)
