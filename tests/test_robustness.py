@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 import reference.attention as attention_twin
@@ -49,6 +50,12 @@ def _varlen(cu_q=None, cu_k=None, max_q=4, max_k=4):
 
 def _x(*shape, dtype=torch.float32):
     return _randn(*shape).to(dtype)
+
+
+def _dual(call):
+    """``call(dual)`` inside a forward-mode AD level, ``dual`` making a tensor a dual one."""
+    with forward_ad.dual_level():
+        return call(lambda t: forward_ad.make_dual(t, torch.ones_like(t)))
 
 
 BAD_INPUTS = [
@@ -129,7 +136,23 @@ BAD_INPUTS = [
     ("varlen cu_seqlens lengths", lambda: _varlen(cu_k=_ints([0, 6])),
      ValueError, r"cu_seqlens_q and cu_seqlens_k must have the same length, got 3 and 2"),
     ("varlen max_seqlen", lambda: _varlen(max_q=-1), TypeError, r"max_seqlen_q must be a non-negative int, got -1"),
+    ("dropout dual x", lambda: _dual(lambda d: dropout(d(_x(4)), 0.5)), NotImplementedError,
+     r"x is a dual tensor \(forward-mode AD\): fused-kernels ops have no jvp"),
+    ("rms_norm dual weight", lambda: _dual(lambda d: rms_norm(_x(2, 4), 4, d(_x(4)))), NotImplementedError,
+     r"weight is a dual tensor"),
+    ("attention dual v", lambda: _dual(lambda d: flash_attention(*_qkv()[:2], d(_qkv()[2]))), NotImplementedError,
+     r"v is a dual tensor"),
 ]
+
+
+def test_a_dual_tensor_is_refused_even_where_a_plan_was_stored():
+    """A call signature whose plan an earlier call stored is checked again inside a forward-mode AD level (a plan's
+    key does not tell a dual tensor apart), and takes its plan again after it."""
+    x, w = _x(2, 4), _x(4)
+    expected = rms_norm(x, 4, w)  # stores the plan
+    with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="x is a dual tensor"):
+        rms_norm(forward_ad.make_dual(x, torch.ones_like(x)), 4, w)
+    assert torch.equal(rms_norm(x, 4, w), expected)
 
 
 @pytest.mark.parametrize("path", ["device", "reference"])

@@ -14,8 +14,9 @@ Values that change per call (the seed) are not in the key and are checked per ca
 (read with ``bool()``) and windows that are not tuples of ints take the checks every time (:func:`plannable`).
 
 Limits: plans apply to eager calls only (not while torch.compile traces, not under a functorch transform such as
-``vmap``, which needs ``autograd.Function.apply``'s own path); ``FUSED_KERNELS_EAGER_PLANS=0`` turns them off, so
-that every call checks its arguments (to rule them in or out when chasing a bug, and to time them).
+``vmap``, which needs ``autograd.Function.apply``'s own path, nor inside a forward-mode AD level, whose dual tensors
+the checks refuse); ``FUSED_KERNELS_EAGER_PLANS=0`` turns them off, so that every call checks its arguments (to rule
+them in or out when chasing a bug, and to time them).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 #: ``FUSED_KERNELS_EAGER_PLANS=0``: no plans (every eager call checks its arguments anew)
 EAGER_PLANS = os.environ.get("FUSED_KERNELS_EAGER_PLANS", "1") == "1"
@@ -31,8 +33,10 @@ _functorch_active = torch._C._are_functorch_transforms_active
 
 
 def plans_apply() -> bool:
-    """Whether this call may take or store a plan: plans on, eager, no functorch transform active."""
-    return EAGER_PLANS and not torch.compiler.is_compiling() and not _functorch_active()
+    """Whether this call may take or store a plan: plans on, eager, no functorch transform and no forward-mode AD
+    level active (whose dual tensors the checks refuse, and a plan's key does not tell apart)."""
+    return (EAGER_PLANS and forward_ad._current_level < 0 and not torch.compiler.is_compiling()
+            and not _functorch_active())
 
 
 _SEED_LIMIT = 1 << 64

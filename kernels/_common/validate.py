@@ -11,6 +11,7 @@ import math
 import os
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 #: dtypes the Triton kernels take (fp32 accumulation inside).
@@ -25,9 +26,13 @@ def _dtype_names(dtypes) -> str:
 
 
 def check_tensor(name: str, value) -> torch.Tensor:
-    """``value`` must be a ``torch.Tensor``."""
+    """``value`` must be a ``torch.Tensor``, and not a dual tensor of forward-mode AD: the ops have no jvp, and a
+    call that needs no autograd node would otherwise return a result without its tangent."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if forward_ad._current_level >= 0 and forward_ad.unpack_dual(value).tangent is not None:
+        raise NotImplementedError(f"{name} is a dual tensor (forward-mode AD): fused-kernels ops have no jvp; "
+                                  "compute them outside torch.autograd.forward_ad.dual_level, or use reverse mode")
     return value
 
 
