@@ -505,20 +505,31 @@ def _handed_off(hidden_states: torch.Tensor, norm: torch.nn.Module) -> torch.Ten
     return None
 
 
+#: per thread, the dropout module whose call passes its input through (its probability applied in a fused kernel)
+_DEFERRED_DROPOUT = threading.local()
+
+
+def _deferred_dropout_forward(self, input: torch.Tensor) -> torch.Tensor:
+    """A GPT-2 block's residual dropout: its input unchanged while this thread's fused block applies it, else
+    ``nn.Dropout``'s own forward (the module's ``p`` is never changed, so other threads see it as it is)."""
+    if getattr(_DEFERRED_DROPOUT, "module", None) is self:
+        return input
+    return torch.nn.Dropout.forward(self, input)
+
+
 class _DropoutDeferred:
-    """Within the ``with``: ``module`` (a dropout) passes its input through, its probability (0 when it is not
-    training) given to the caller, who applies it in a fused kernel; restored on the way out."""
+    """Within the ``with``: ``module`` (a residual dropout of a fused block) passes its input through in this
+    thread; its probability (0 when it is not training) is given to the caller, who applies it in a fused kernel."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
 
     def __enter__(self) -> float:
-        self.p = self.module.p
-        self.module.p = 0.0
-        return float(self.p) if self.module.training else 0.0
+        _DEFERRED_DROPOUT.module = self.module
+        return float(self.module.p) if self.module.training else 0.0
 
     def __exit__(self, *exc) -> None:
-        self.module.p = self.p
+        _DEFERRED_DROPOUT.module = None
 
 
 def _gpt2_block_fusable(block, hidden_states, encoder_hidden_states) -> bool:
@@ -530,7 +541,8 @@ def _gpt2_block_fusable(block, hidden_states, encoder_hidden_states) -> bool:
             and hidden_states.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and not getattr(block, "gradient_checkpointing", False)
             and _fusable_norm(block.ln_1) and _fusable_norm(block.ln_2)
-            and all(type(d) is torch.nn.Dropout and _plain(d) for d in (block.attn.resid_dropout, block.mlp.dropout)))
+            and all(type(d).forward is _deferred_dropout_forward and _plain(d)
+                    for d in (block.attn.resid_dropout, block.mlp.dropout)))
 
 
 def _gpt2_block_forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
@@ -582,6 +594,11 @@ def _fuse_gpt2_blocks(model: torch.nn.Module, report: dict[str, str]) -> None:
         if len(blocks) != len(gpt2.h) or not isinstance(gpt2.ln_f, torch.nn.LayerNorm):
             continue
         for block, following in zip(blocks, [*(b.ln_1 for b in blocks[1:]), gpt2.ln_f], strict=True):
+            dropouts = (block.attn.resid_dropout, block.mlp.dropout)
+            if not all(type(d) is torch.nn.Dropout or type(d).forward is _deferred_dropout_forward for d in dropouts):
+                continue  # a dropout of another class: the block keeps its forward
+            for d in dropouts:
+                d.__class__ = _patched(torch.nn.Dropout, _deferred_dropout_forward)
             block.__class__ = _patched(block_cls, _gpt2_block_forward)
             _NEXT_NORM[block] = weakref.ref(following)
             report[names[block]] = "dropout + residual + LayerNorm fused: kernels.layernorm.add_dropout_norm"

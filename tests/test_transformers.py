@@ -6,6 +6,7 @@ cases the kernels cannot do fall back with a warning and still match."""
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 
 import pytest
@@ -241,6 +242,16 @@ def test_gpt2_blocks_give_their_dropout_to_the_fused_kernel_and_run_unfused_wher
     _output(model, ids, mask).sum().backward()
     assert [c["dropout_p"] for c in calls] == [0.25] * 6
     assert all(b.attn.resid_dropout.p == 0.25 and b.mlp.dropout.p == 0.25 for b in model.transformer.h)
+    drop = model.transformer.h[0].mlp.dropout
+    assert isinstance(drop, torch.nn.Dropout) and type(drop).__name__ == "Dropout"
+    ones = torch.ones(4096)
+    with fused._DropoutDeferred(drop):  # passed through in this thread only
+        assert drop(ones) is ones
+        other = []
+        worker = threading.Thread(target=lambda: other.append(drop(ones)))
+        worker.start()
+        worker.join()
+    assert (other[0] == 0).any() and not (drop(ones) == 1).all()
     assert all(p.grad is not None for p in model.parameters())
 
     reference = _gpt2()
