@@ -318,7 +318,7 @@ RATIO_PEERS: dict[str, tuple[str, ...]] = {
     "attention-decode-fp8": ("bf16-cache",),
     "attention-decode-ragged": ("uniform",),
     "model": ("torch",),
-    "transformers": ("sdpa", "sdpa+liger"),
+    "transformers": ("sdpa", "sdpa+liger", "sdpa+gelu-tanh"),
     "host": ("torch",),
 }
 

@@ -1,10 +1,12 @@
 """transformers benchmark: real model families trained and run with ``kernels.transformers`` against their own SDPA.
 
 Providers per point: ``sdpa`` (the model as transformers builds it, ``attn_implementation="sdpa"``),
-``fused-kernels`` (the same model after ``kernels.transformers.apply``: our attention and norms) and ``sdpa+liger``
-(Liger's RMSNorm patch, ``apply_liger_kernel_to_llama(rms_norm=True)`` with its other patches off, on the models
-Liger has a patch for; left out when Liger is not installed). Every provider of a point starts from the same
-weights, in bf16 parameters. Eager points add ``fused-kernels-native``: the ``fused-kernels`` model with the compiled
+``fused-kernels`` (the same model after ``kernels.transformers.apply``: our attention and norms, and torch's
+one-kernel tanh-GELU for a chain of eager ops), ``sdpa+liger`` (Liger's RMSNorm patch,
+``apply_liger_kernel_to_llama(rms_norm=True)`` with its other patches off, on the models Liger has a patch for; left
+out when Liger is not installed) and ``sdpa+gelu-tanh`` (``apply``'s activation swap alone, on the models it changes:
+GPT-2; what of ``fused-kernels``' speed is not our kernels'). Every provider of a point starts from the same weights,
+in bf16 parameters. Eager points add ``fused-kernels-native``: the ``fused-kernels`` model with the compiled
 eager tier on (``kernels/_native``, ``FUSED_KERNELS_NATIVE=1``), where its extension builds.
 
 Points (record keys ``model``, ``mode`` (eager / compile: ``torch.compile(model)``), ``task`` (train / generate),
@@ -102,6 +104,10 @@ def _liger_patch(name: str):
     return patch
 
 
+#: the provider that takes only the activation swap of ``kernels.transformers.apply`` (torch's one-kernel tanh-GELU
+#: for a chain of eager ops): what of ``fused-kernels``' speed is not our kernels'
+GELU_PROVIDER = "sdpa+gelu-tanh"
+
 #: the provider that runs the ``fused-kernels`` model with the compiled eager tier on
 NATIVE_PROVIDER = "fused-kernels-native"
 
@@ -139,6 +145,9 @@ def _providers(name: str, config) -> dict[str, torch.nn.Module]:
     liger = _liger_patch(name)
     if liger is not None:
         models["sdpa+liger"] = liger(copy.deepcopy(base))
+    activations_only = copy.deepcopy(base)
+    if fused.apply(activations_only, attention=False, norms=False):  # the model has a tanh-GELU chain
+        models[GELU_PROVIDER] = activations_only
     return models
 
 

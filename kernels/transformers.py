@@ -44,6 +44,11 @@ GPT-2 blocks (:func:`apply`, with norms): in a training step each ``GPT2Block`` 
 whose rows that norm takes (:func:`_gpt2_block_forward`); evaluation, gradient checkpointing, cross-attention,
 torch.compile and modules with hooks keep the class's forward.
 
+Activations (:func:`apply`): a module of a class in :data:`GELU_TANH_CLASSES` (GPT-2's ``gelu_new``: the tanh
+approximation of GELU as eight eager ops) computes the same function with ``torch.nn.functional.gelu(approximate=
+"tanh")``, one kernel each way; this is torch's kernel, not ours, and it is most of what ``apply`` gains on an eager
+GPT-2 (the benchmark's ``sdpa+gelu-tanh`` provider takes the swap alone).
+
 Norms (:func:`apply`): each module of a class in :data:`NORM_CLASSES` computes with
 :func:`kernels.layernorm.rms_norm` with that class's exact semantics; ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``
 become :mod:`kernels.layernorm`'s drop-ins (``kernels.replace_modules``). The module keeps its identity, parameters,
@@ -735,16 +740,56 @@ def _patched(cls: type, forward) -> type:
     return _PATCHED[cls]
 
 
+# --- activations --------------------------------------------------------------------------------------------
+
+def _gelu_tanh_forward(self, input: torch.Tensor) -> torch.Tensor:
+    """The tanh approximation of GELU, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, in one kernel forward
+    and one backward (computed in fp32 inside, rounded once)."""
+    return torch.nn.functional.gelu(input, approximate="tanh")
+
+
+#: the activation classes :func:`apply` computes in one kernel, ``(module path, class name)``: each states the tanh
+#: approximation of GELU as a chain of eager ops (GPT-2's ``gelu_new`` is eight kernels forward, each a pass over the
+#: MLP's widest tensor, and keeps their intermediates for the backward)
+GELU_TANH_CLASSES = (
+    ("transformers.activations", "NewGELUActivation"),
+    ("transformers.activations", "FastGELUActivation"),
+    ("transformers.activations", "AccurateGELUActivation"),
+)
+
+
+def _gelu_tanh_classes() -> set[type]:
+    found = set()
+    for path, name in GELU_TANH_CLASSES:
+        cls = getattr(importlib.import_module(path), name, None)
+        if cls is not None and cls.__module__ == path and cls.__name__ == name:
+            found.add(cls)
+    return found
+
+
+def _swap_activations(model: torch.nn.Module, report: dict[str, str]) -> None:
+    classes = _gelu_tanh_classes()
+    for name, module in model.named_modules():
+        base = getattr(type(module), "_fused_kernels_base", type(module))
+        if base in classes:
+            module.__class__ = _patched(base, _gelu_tanh_forward)
+            report[name] = f"{base.__name__} -> torch.nn.functional.gelu(approximate='tanh'), one kernel"
+
+
 def apply(model: torch.nn.Module, *, attention: bool = True, norms: bool = True,
-          padding_free: bool = True) -> dict[str, str]:
+          padding_free: bool = True, activations: bool = True) -> dict[str, str]:
     """Make a built transformers ``model`` compute with fused-kernels, in place: its attention implementation
     becomes ``"fused_kernels"`` (``model.set_attn_implementation``) and every norm module of a known class computes
     with our kernels, GPT-2 blocks fusing their residual steps with the norms (see the module docstring). With
     ``attention`` and ``padding_free``, a causal-LM or masked-LM model's forward runs a padded batch without its pad
-    tokens (:class:`_PaddingFreeForward`). Returns ``{module name: what it became}``; norm-like modules of classes it
-    does not know (an RMSNorm of a model family not in :data:`NORM_CLASSES`) are listed as ``"left alone:
+    tokens (:class:`_PaddingFreeForward`). With ``activations``, a tanh-approximated GELU written as a chain of
+    eager ops (:data:`GELU_TANH_CLASSES`, GPT-2's ``gelu_new``) computes with torch's one-kernel
+    ``gelu(approximate="tanh")``, the same function. Returns ``{module name: what it became}``; norm-like modules of
+    classes it does not know (an RMSNorm of a model family not in :data:`NORM_CLASSES`) are listed as ``"left alone:
     <class>"``. Calling it again changes nothing."""
     report: dict[str, str] = {}
+    if activations:
+        _swap_activations(model, report)
     if attention:
         model.set_attn_implementation(NAME)
         report[""] = f"attention: {NAME}"

@@ -6,6 +6,7 @@ cases the kernels cannot do fall back with a warning and still match."""
 from __future__ import annotations
 
 import copy
+import importlib
 import threading
 import warnings
 
@@ -271,6 +272,38 @@ def test_gpt2_blocks_give_their_dropout_to_the_fused_kernel_and_run_unfused_wher
         got, expected = _output(ours, ids, mask), _output(expected_model, ids, mask)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=case)
         assert len(calls) == {"eval": 0, "checkpointing": 0, "hook": 6}[case], case
+
+
+def test_tanh_gelu_activations_compute_in_one_op_with_the_same_values(monkeypatch):
+    """Every class of the table computes what torch's ``gelu(approximate="tanh")`` computes (so the swap keeps the
+    function); apply swaps GPT-2's activations (reported, isinstance kept) and not with ``activations=False``."""
+    import transformers.activations as acts
+
+    x = torch.linspace(-8, 8, 4001, dtype=torch.float64)
+    for path, name in fused.GELU_TANH_CLASSES:
+        cls = getattr(importlib.import_module(path), name)
+        torch.testing.assert_close(cls()(x), torch.nn.functional.gelu(x, approximate="tanh"), rtol=1e-9, atol=1e-9,
+                                   msg=name)
+    reference = _gpt2()
+    kept = copy.deepcopy(reference)
+    assert not any("gelu" in what for what in fused.apply(kept, activations=False).values())
+    assert type(kept.transformer.h[0].mlp.act) is acts.NewGELUActivation
+    ours = copy.deepcopy(reference)
+    report = fused.apply(ours)
+    act = ours.transformer.h[0].mlp.act
+    assert report["transformer.h.0.mlp.act"].startswith("NewGELUActivation -> torch.nn.functional.gelu")
+    assert isinstance(act, acts.NewGELUActivation) and type(act).__name__ == "NewGELUActivation"
+    calls = []
+    gelu = torch.nn.functional.gelu
+    monkeypatch.setattr(torch.nn.functional, "gelu", lambda *a, **k: calls.append(k) or gelu(*a, **k))
+    ids, mask = _batch("none")
+    expected, expected_grads = _forward_backward(reference, ids, mask)
+    got, grads = _forward_backward(ours, ids, mask)
+    assert calls == [{"approximate": "tanh"}] * 3
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for n in grads:
+        scale = max(1.0, expected_grads[n].abs().max().item())
+        torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-3, atol=1e-4 * scale, msg=n)
 
 
 def test_apply_keeps_parameters_state_dict_and_isinstance():
