@@ -16,6 +16,7 @@ import statistics
 import pytest
 import torch._dynamo  # imports triton
 
+import kernels._native as native_tier
 from benchmarks import _harness
 
 _STATE: dict = {}
@@ -25,6 +26,10 @@ _STATE: dict = {}
 # and the "torch.compile" column would time eager torch. Every sweep stays far below this limit.
 torch._dynamo.config.recompile_limit = 1024
 torch._dynamo.config.accumulated_recompile_limit = 1 << 16
+
+
+def pytest_sessionstart(session):
+    native_tier.prepare()  # with FUSED_KERNELS_NATIVE=1, built before the first call rather than beside it
 
 
 def pytest_report_header(config):

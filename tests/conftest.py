@@ -9,7 +9,12 @@ import pytest
 import torch
 
 import kernels._mode  # noqa: F401  (must run before anything imports triton)
+import kernels._native as native_tier
 from kernels._mode import DEVICE, INTERPRETER, MODE
+
+
+def pytest_sessionstart(session):
+    native_tier.prepare()  # with FUSED_KERNELS_NATIVE=1, built before the first call rather than beside it
 
 
 def pytest_report_header(config):

@@ -391,6 +391,61 @@ def test_a_killed_builds_lock_is_cleared_and_a_running_builds_is_kept(monkeypatc
     assert native_tier._build() == "built" and not lock.exists()
 
 
+def test_the_first_eager_call_starts_the_build_in_the_background_and_never_waits(monkeypatch):
+    """``active`` asks ``ready``: the first call starts one build thread and returns at once (the call takes the
+    Python path); ``module`` waits for the build under way instead of building again; once built, calls take it."""
+    import threading
+
+    release, builds = threading.Event(), []
+
+    def slow_build():
+        builds.append(threading.current_thread().name)
+        release.wait(30)
+        return "extension"
+
+    monkeypatch.setattr(native_tier, "_build", slow_build)
+    monkeypatch.setattr(native_tier, "_MODULE", [])
+    monkeypatch.setattr(native_tier, "_BUILDER", [])
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    monkeypatch.setattr(native_tier, "INTERPRETER", False)
+    monkeypatch.setattr(native_tier, "hooks_installed", lambda: False)
+    assert native_tier.active() is False and native_tier.active() is False
+    assert len(native_tier._BUILDER) == 1
+    for _ in range(3000):  # until the builder holds the build lock
+        if builds:
+            break
+        threading.Event().wait(0.01)
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(native_tier.module()))
+    waiter.start()
+    assert native_tier.active() is False  # still building: no call waits
+    release.set()
+    waiter.join(30)
+    native_tier._BUILDER[0].join(30)
+    assert waited == ["extension"] and builds == ["fused-kernels-native-build"]
+    assert native_tier.active() is True and native_tier.ready() == "extension"
+
+
+def test_prepare_builds_in_the_calling_thread_only_where_the_tier_is_on(monkeypatch):
+    calls = []
+    monkeypatch.setattr(native_tier, "module", lambda: calls.append("built"))
+    for on, interpreter, expected in ((True, False, ["built"]), (False, False, []), (True, True, [])):
+        calls.clear()
+        monkeypatch.setattr(native_tier, "NATIVE", on)
+        monkeypatch.setattr(native_tier, "INTERPRETER", interpreter)
+        native_tier.prepare()
+        assert calls == expected
+
+
+def test_python_m_kernels_native_builds_the_extension_ahead(native):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kernels._native"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"built {native.__name__}:")
+
+
 def test_the_interpreter_never_takes_the_tier(monkeypatch):
     monkeypatch.setattr(native_tier, "NATIVE", True)
     assert native_tier.active() == (not INTERPRETER and native_tier.module() is not None)

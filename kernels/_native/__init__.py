@@ -7,10 +7,14 @@ path has recorded into a *program* (data: the launches, the tensors to allocate,
 small C++ extension runs, with a C++ autograd node for the backward, so a replayed call runs no Python past the
 lookup of its program, and its backward none at all.
 
-Opt-in while it is being measured: ``FUSED_KERNELS_NATIVE=1`` turns it on. The extension is built on first use with
+Opt-in while it is being measured: ``FUSED_KERNELS_NATIVE=1`` turns it on. The extension is built with
 ``torch.utils.cpp_extension`` (a C++ compiler and ninja; no CUDA toolkit: the driver is reached through ``dlopen``)
-and cached by torch in ``TORCH_EXTENSIONS_DIR``; when it cannot be built, a warning says so once and every call
-takes the Python path, as it does under the Triton interpreter, under torch.compile and in CI. The Python path stays
+and cached by torch in ``TORCH_EXTENSIONS_DIR``: on a background thread that the first eager call which could take
+the tier starts (:func:`ready`; calls take the Python path until it is done, so none waits tens of seconds for the
+compiler), or ahead of time by ``python -m kernels._native``, or in the calling thread by :func:`module` (the test
+and benchmark sessions call it first when the tier is on, so that every call they time or check can take it). When
+it cannot be built, a warning says so once and every call takes the Python path, as it does under the Triton
+interpreter, under torch.compile and in CI. The Python path stays
 the reference: tests compare the two bit for bit, and run the programs on CPU in capture mode (launches logged, not
 run) to check what each launch is given.
 
@@ -55,13 +59,33 @@ _LOCK = threading.Lock()
 
 
 def module():
-    """The built extension, or None when it cannot be built (warned once)."""
+    """The built extension, or None when it cannot be built (warned once): built in this thread, or waited for where
+    a build is under way."""
     if _MODULE:
         return _MODULE[0]
     with _LOCK:
         if not _MODULE:
             _MODULE.append(_build())
     return _MODULE[0]
+
+
+_BUILDER: list[threading.Thread] = []
+_BUILDER_LOCK = threading.Lock()
+
+
+def ready():
+    """The built extension if it is ready, else None; the first call starts building it on a background thread (a
+    daemon: a process that ends during the build leaves it unbuilt, and its lock: a process whose build starts while
+    that lock is younger than ``_STALE_LOCK_SECONDS`` waits on it, its calls on the Python path; a later one clears
+    it and builds)."""
+    if _MODULE:
+        return _MODULE[0]
+    with _BUILDER_LOCK:
+        if not _BUILDER:
+            builder = threading.Thread(target=module, name="fused-kernels-native-build", daemon=True)
+            _BUILDER.append(builder)
+            builder.start()
+    return _MODULE[0] if _MODULE else None
 
 
 #: a build lock older than this is a killed build's: torch's builder would wait for it forever
@@ -84,10 +108,17 @@ def _build():
         return None
 
 
+def prepare() -> None:
+    """Build the extension now (in this thread) where the tier is on: a test or benchmark session calls it first, so
+    that every call it checks or times can take the tier rather than the Python path of a build under way."""
+    if NATIVE and not INTERPRETER:
+        module()
+
+
 def active() -> bool:
     """Whether eager calls may take programs now: turned on, not under the interpreter, no launch hook installed
-    (a profiler must see every launch through Triton), the extension built."""
-    return NATIVE and not INTERPRETER and not hooks_installed() and module() is not None
+    (a profiler must see every launch through Triton), the extension built (:func:`ready`: never waited for)."""
+    return NATIVE and not INTERPRETER and not hooks_installed() and ready() is not None
 
 
 def launches(recorded: RecordedCall | bool | None, tensors: tuple, native=None) -> list | None:
