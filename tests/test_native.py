@@ -426,6 +426,40 @@ def test_the_first_eager_call_starts_the_build_in_the_background_and_never_waits
     assert native_tier.active() is True and native_tier.ready() == "extension"
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="fork: POSIX only")
+def test_a_child_forked_during_a_build_starts_its_own(monkeypatch):
+    """The build thread does not survive fork, and the lock it holds would never be released in the child: there
+    the build is forgotten, and the locks start free."""
+    import os
+    import threading
+    import warnings
+
+    release, started = threading.Event(), threading.Event()
+
+    def slow_build():
+        started.set()
+        release.wait(30)
+        return "extension"
+
+    monkeypatch.setattr(native_tier, "_build", slow_build)
+    monkeypatch.setattr(native_tier, "_MODULE", [])
+    monkeypatch.setattr(native_tier, "_BUILDER", [])
+    monkeypatch.setattr(native_tier, "_LOCK", threading.Lock())
+    monkeypatch.setattr(native_tier, "_BUILDER_LOCK", threading.Lock())
+    assert native_tier.ready() is None and started.wait(30)  # the builder now holds the build lock
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a process with threads, on purpose
+        pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only when the build is forgotten and the lock is free
+        ok = not native_tier._BUILDER and native_tier._LOCK.acquire(blocking=False)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    native_tier._BUILDER[0].join(30)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert native_tier.ready() == "extension"
+
+
 def test_prepare_builds_in_the_calling_thread_only_where_the_tier_is_on(monkeypatch):
     calls = []
     monkeypatch.setattr(native_tier, "module", lambda: calls.append("built"))

@@ -88,6 +88,20 @@ def ready():
     return _MODULE[0] if _MODULE else None
 
 
+def _forget_the_build_after_fork() -> None:
+    """In a child process made by fork during a build: the build thread did not come along, and the locks it held
+    would never be released there; the child starts a build of its own when a call asks for one (it then waits on
+    the parent's build lock file, or finds the build done)."""
+    global _LOCK, _BUILDER_LOCK
+    if not _MODULE:
+        _BUILDER.clear()
+        _LOCK = threading.Lock()
+        _BUILDER_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_the_build_after_fork)
+
 #: a build lock older than this is a killed build's: torch's builder would wait for it forever
 _STALE_LOCK_SECONDS = 600
 
