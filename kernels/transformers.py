@@ -477,10 +477,14 @@ _HANDOFF = threading.local()
 
 
 def _class_of(path_and_name: tuple[str, str]) -> type | None:
+    """The class a table names by ``(module path, class name)``, or None where this transformers has none or another
+    library has put a class of its own in its place."""
+    path, name = path_and_name
     try:
-        return getattr(importlib.import_module(path_and_name[0]), path_and_name[1])
+        cls = getattr(importlib.import_module(path), name)
     except (ImportError, AttributeError):
         return None
+    return cls if cls.__module__ == path and cls.__name__ == name else None
 
 
 def _plain(module: torch.nn.Module) -> bool:
@@ -721,15 +725,7 @@ def _same_code_as_known(module: torch.nn.Module, known: dict[type, tuple]) -> tu
 
 def _norm_classes() -> dict[type, tuple]:
     """The classes of :data:`NORM_CLASSES` this transformers has, by class."""
-    found = {}
-    for (path, name), entry in NORM_CLASSES.items():
-        try:
-            cls = getattr(importlib.import_module(path), name)
-        except (ImportError, AttributeError):
-            continue
-        if cls.__module__ == path and cls.__name__ == name:  # not a class another library put in its place
-            found[cls] = entry
-    return found
+    return {cls: entry for key, entry in NORM_CLASSES.items() if (cls := _class_of(key)) is not None}
 
 
 def _patched(cls: type, forward) -> type:
@@ -758,17 +754,8 @@ GELU_TANH_CLASSES = (
 )
 
 
-def _gelu_tanh_classes() -> set[type]:
-    found = set()
-    for path, name in GELU_TANH_CLASSES:
-        cls = getattr(importlib.import_module(path), name, None)
-        if cls is not None and cls.__module__ == path and cls.__name__ == name:
-            found.add(cls)
-    return found
-
-
 def _swap_activations(model: torch.nn.Module, report: dict[str, str]) -> None:
-    classes = _gelu_tanh_classes()
+    classes = {cls for key in GELU_TANH_CLASSES if (cls := _class_of(key)) is not None}
     for name, module in model.named_modules():
         base = getattr(type(module), "_fused_kernels_base", type(module))
         if base in classes:
