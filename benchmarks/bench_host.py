@@ -12,8 +12,9 @@ work). torch's side (provider ``torch``) is what a user would otherwise call: ``
 (and on the padded batch for ``flash_attention_varlen``), SDPA with ``enable_gqa`` against the cache with the new
 token already in it for ``flash_attention_with_kvcache`` (forward only, as the op; ours appends the token too), and
 transformers' ``x * cos + rotate_half(x) * sin`` for ``apply_rotary``. The table's ratios are ours' time over
-torch's (lower is better). Provider ``ours-native`` is the same call with the compiled eager tier on
-(``kernels/_native``, ``FUSED_KERNELS_NATIVE=1``), for the ops that have programs there, where its extension builds.
+torch's (lower is better). Provider ``ours`` is the Python path (the compiled eager tier turned off), ``ours-native``
+the same call with the tier on (``kernels/_native``, the default), for the ops that have programs there, where its
+extension builds.
 
 Smoke mode (no GPU): tiny sizes only, wall clock of a few calls, no device time.
 """
@@ -121,12 +122,8 @@ NATIVE_OPS = {"dropout", "layer_norm", "rms_norm", "add_dropout_norm", "flash_at
 
 def _measured_with_native(on: bool, fn) -> float:
     """:func:`_host_us` of ``fn`` with the compiled eager tier turned on or off for the measurement."""
-    saved = native_tier.NATIVE
-    native_tier.NATIVE = on
-    try:
+    with native_tier.switched(on):
         return _host_us(fn)
-    finally:
-        native_tier.NATIVE = saved
 
 
 #: every public op

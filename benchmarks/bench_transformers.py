@@ -6,8 +6,9 @@ one-kernel tanh-GELU for a chain of eager ops), ``sdpa+liger`` (Liger's RMSNorm 
 ``apply_liger_kernel_to_llama(rms_norm=True)`` with its other patches off, on the models Liger has a patch for; left
 out when Liger is not installed) and ``sdpa+gelu-tanh`` (``apply``'s activation swap alone, on the models it changes:
 GPT-2; what of ``fused-kernels``' speed is not our kernels'). Every provider of a point starts from the same weights,
-in bf16 parameters. Eager points add ``fused-kernels-native``: the ``fused-kernels`` model with the compiled
-eager tier on (``kernels/_native``, ``FUSED_KERNELS_NATIVE=1``), where its extension builds.
+in bf16 parameters. ``fused-kernels`` runs its eager calls on the Python path (the compiled eager tier turned
+off); eager points add ``fused-kernels-native``: the same model with the tier on (``kernels/_native``, the default),
+where its extension builds.
 
 Points (record keys ``model``, ``mode`` (eager / compile: ``torch.compile(model)``), ``task`` (train / generate),
 ``padding`` (the fraction of pad tokens in the batch)):
@@ -112,21 +113,22 @@ GELU_PROVIDER = "sdpa+gelu-tanh"
 NATIVE_PROVIDER = "fused-kernels-native"
 
 
+def _with_tier(fn, on: bool):
+    """``fn`` run with the compiled eager tier turned on or off, whatever the environment says."""
+
+    def run(*args, **kwargs):
+        with native_tier.switched(on):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _native_variant(fn):
     """``fn`` run with the compiled eager tier on, or None where its extension cannot be built (and in smoke mode,
     which runs the interpreter)."""
     if SMOKE or native_tier.module() is None:
         return None
-
-    def with_native(*args, **kwargs):
-        saved = native_tier.NATIVE
-        native_tier.NATIVE = True
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            native_tier.NATIVE = saved
-
-    return with_native
+    return _with_tier(fn, True)
 
 
 def _build(name: str, config) -> torch.nn.Module:
@@ -210,6 +212,7 @@ def test_train(benchmark, recorder, name, mode):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not SMOKE)
         steps[provider] = _step(model, optimizer, batch, torch.compile(model) if mode == "compile" else model)
     native = _native_variant(steps["fused-kernels"]) if mode == "eager" else None
+    steps["fused-kernels"] = _with_tier(steps["fused-kernels"], False)
     if native is not None:  # the same model and optimizer, trained in turn with the tier on
         steps[NATIVE_PROVIDER] = native
     runs: dict[str, list[tuple[float, float]]] = {provider: [] for provider in steps}
@@ -245,6 +248,7 @@ def test_generate(benchmark, recorder, batch):
               "do_sample": False, "pad_token_id": 0}
     calls = {provider: model.generate for provider, model in models.items()}
     native = _native_variant(models["fused-kernels"].generate)
+    calls["fused-kernels"] = _with_tier(calls["fused-kernels"], False)
     if native is not None:
         calls[NATIVE_PROVIDER] = native
     runs: dict[str, list[float]] = {provider: [] for provider in calls}

@@ -7,6 +7,7 @@ aside. On a GPU the tier is compared with the Python path bit for bit.
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -376,7 +377,6 @@ def test_a_tma_argument_becomes_its_tensor_map_encoded_as_tritons_launcher_encod
 
 def test_a_killed_builds_lock_is_cleared_and_a_running_builds_is_kept(monkeypatch, tmp_path):
     """torch's extension builder waits forever on a lock file that a killed build left behind."""
-    import os
     import time
 
     from torch.utils import cpp_extension
@@ -391,6 +391,17 @@ def test_a_killed_builds_lock_is_cleared_and_a_running_builds_is_kept(monkeypatc
     assert native_tier._build() == "built" and not lock.exists()
 
 
+def _unbuilt_tier(monkeypatch, build, cuda_in_use: bool) -> None:
+    """The tier as a fresh process with it on finds it: not built, no build thread, ``build`` its builder."""
+    monkeypatch.setattr(native_tier, "_build", build)
+    monkeypatch.setattr(native_tier, "_MODULE", [])
+    monkeypatch.setattr(native_tier, "_BUILDER", [])
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    monkeypatch.setattr(native_tier, "INTERPRETER", False)
+    monkeypatch.setattr(native_tier, "hooks_installed", lambda: False)
+    monkeypatch.setattr(native_tier, "_cuda_in_use", lambda: cuda_in_use)
+
+
 def test_the_first_eager_call_starts_the_build_in_the_background_and_never_waits(monkeypatch):
     """``active`` asks ``ready``: the first call starts one build thread and returns at once (the call takes the
     Python path); ``module`` waits for the build under way instead of building again; once built, calls take it."""
@@ -403,12 +414,7 @@ def test_the_first_eager_call_starts_the_build_in_the_background_and_never_waits
         release.wait(30)
         return "extension"
 
-    monkeypatch.setattr(native_tier, "_build", slow_build)
-    monkeypatch.setattr(native_tier, "_MODULE", [])
-    monkeypatch.setattr(native_tier, "_BUILDER", [])
-    monkeypatch.setattr(native_tier, "NATIVE", True)
-    monkeypatch.setattr(native_tier, "INTERPRETER", False)
-    monkeypatch.setattr(native_tier, "hooks_installed", lambda: False)
+    _unbuilt_tier(monkeypatch, slow_build, cuda_in_use=True)
     assert native_tier.active() is False and native_tier.active() is False
     assert len(native_tier._BUILDER) == 1
     for _ in range(3000):  # until the builder holds the build lock
@@ -426,11 +432,44 @@ def test_the_first_eager_call_starts_the_build_in_the_background_and_never_waits
     assert native_tier.active() is True and native_tier.ready() == "extension"
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="fork: POSIX only")
+def test_no_build_starts_in_a_process_without_cuda_in_use(monkeypatch):
+    """A process on CPU tensors (or one that has not touched CUDA yet) never starts the compiler on a call's
+    behalf: no call there could take a program."""
+    builds = []
+    _unbuilt_tier(monkeypatch, lambda: builds.append("built") or "extension", cuda_in_use=False)
+    assert native_tier.active() is False and native_tier.ready() is None
+    assert native_tier._BUILDER == [] and builds == []
+
+
+def test_switched_turns_the_tier_on_or_off_inside_its_block_only():
+    saved = native_tier.NATIVE
+    for on in (True, False):
+        with native_tier.switched(on):
+            assert native_tier.NATIVE is on
+        assert native_tier.NATIVE is saved
+    with pytest.raises(KeyError), native_tier.switched(not saved):
+        raise KeyError("left by an exception")
+    assert native_tier.NATIVE is saved
+
+
+def test_the_tier_is_on_unless_the_environment_turns_it_off():
+    import subprocess
+    import sys
+
+    code = "import kernels._native as n; print(n.NATIVE)"
+    for value, expected in ((None, "True"), ("1", "True"), ("0", "False")):
+        env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS_NATIVE"}
+        if value is not None:
+            env["FUSED_KERNELS_NATIVE"] = value
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == expected
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX only")
 def test_a_child_forked_during_a_build_starts_its_own(monkeypatch):
     """The build thread does not survive fork, and the lock it holds would never be released in the child: there
     the build is forgotten, and the locks start free."""
-    import os
     import threading
     import warnings
 
@@ -446,6 +485,7 @@ def test_a_child_forked_during_a_build_starts_its_own(monkeypatch):
     monkeypatch.setattr(native_tier, "_BUILDER", [])
     monkeypatch.setattr(native_tier, "_LOCK", threading.Lock())
     monkeypatch.setattr(native_tier, "_BUILDER_LOCK", threading.Lock())
+    monkeypatch.setattr(native_tier, "_cuda_in_use", lambda: True)
     assert native_tier.ready() is None and started.wait(30)  # the builder now holds the build lock
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork of a process with threads, on purpose

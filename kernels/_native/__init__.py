@@ -7,16 +7,15 @@ path has recorded into a *program* (data: the launches, the tensors to allocate,
 small C++ extension runs, with a C++ autograd node for the backward, so a replayed call runs no Python past the
 lookup of its program, and its backward none at all.
 
-Opt-in while it is being measured: ``FUSED_KERNELS_NATIVE=1`` turns it on. The extension is built with
-``torch.utils.cpp_extension`` (a C++ compiler and ninja; no CUDA toolkit: the driver is reached through ``dlopen``)
-and cached by torch in ``TORCH_EXTENSIONS_DIR``: on a background thread that the first eager call which could take
-the tier starts (:func:`ready`; calls take the Python path until it is done, so none waits tens of seconds for the
-compiler), or ahead of time by ``python -m kernels._native``, or in the calling thread by :func:`module` (the test
-and benchmark sessions call it first when the tier is on, so that every call they time or check can take it). When
-it cannot be built, a warning says so once and every call takes the Python path, as it does under the Triton
-interpreter, under torch.compile and in CI. The Python path stays
-the reference: tests compare the two bit for bit, and run the programs on CPU in capture mode (launches logged, not
-run) to check what each launch is given.
+On by default; ``FUSED_KERNELS_NATIVE=0`` turns it off. The extension is built with ``torch.utils.cpp_extension``
+(a C++ compiler and ninja; no CUDA toolkit: the driver is reached through ``dlopen``) and cached by torch in
+``TORCH_EXTENSIONS_DIR``: on a background thread that the first eager call which could take the tier starts in a
+process that uses CUDA (:func:`ready`; calls take the Python path until it is done, so none waits tens of seconds
+for the compiler), or ahead of time by ``python -m kernels._native``, or in the calling thread by :func:`module`
+(the test and benchmark sessions call it first when the tier is on, so that every call they time or check can take
+it). When it cannot be built, a warning says so once and every call takes the Python path, as it does under the
+Triton interpreter, under torch.compile and in CI. The Python path stays the reference: tests compare the two bit
+for bit, and run the programs on CPU in capture mode (launches logged, not run) to check what each launch is given.
 
 Programs: ``layer_norm``, ``rms_norm`` and ``add_dropout_norm`` (the single-kernel backward's widths; for
 ``add_dropout_norm`` rows the single-pass forward takes), ``dropout`` (not in place), dense ``flash_attention``
@@ -37,6 +36,7 @@ alignment. A backward's gradient is made contiguous (or into the recorded layout
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pathlib
@@ -50,8 +50,11 @@ import torch
 from kernels._common.launch import RecordedCall, hooks_installed
 from kernels._common.runtime import INTERPRETER
 
-#: ``FUSED_KERNELS_NATIVE=1``: eager calls replay their recorded programs from C++ where they can
-NATIVE = os.environ.get("FUSED_KERNELS_NATIVE", "0") == "1"
+#: eager calls replay their recorded programs from C++ where they can, unless ``FUSED_KERNELS_NATIVE=0``
+NATIVE = os.environ.get("FUSED_KERNELS_NATIVE", "1") != "0"
+#: whether this process has CUDA in use: only then can a call have a program, and only then is the extension built
+#: on a call's behalf (a process on CPU tensors never starts a compiler)
+_cuda_in_use = torch.cuda.is_initialized
 
 _SOURCE = pathlib.Path(__file__).with_name("recorded_ops.cpp")
 _MODULE: list = []
@@ -77,9 +80,11 @@ def ready():
     """The built extension if it is ready, else None; the first call starts building it on a background thread (a
     daemon: a process that ends during the build leaves it unbuilt, and its lock: a process whose build starts while
     that lock is younger than ``_STALE_LOCK_SECONDS`` waits on it, its calls on the Python path; a later one clears
-    it and builds)."""
+    it and builds). No build starts in a process that has not initialised CUDA."""
     if _MODULE:
         return _MODULE[0]
+    if not _cuda_in_use():
+        return None
     with _BUILDER_LOCK:
         if not _BUILDER:
             builder = threading.Thread(target=module, name="fused-kernels-native-build", daemon=True)
@@ -118,8 +123,20 @@ def _build():
         return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # a missing compiler or ninja: the Python path serves every call
         warnings.warn(f"fused_kernels: the compiled eager tier could not be built ({error}); eager calls take the "
-                      "Python path", RuntimeWarning, stacklevel=3)
+                      "Python path (FUSED_KERNELS_NATIVE=0 turns the tier off)", RuntimeWarning, stacklevel=3)
         return None
+
+
+@contextlib.contextmanager
+def switched(on: bool):
+    """The tier turned on or off (:data:`NATIVE`) inside the block, whatever the environment says; for measuring one
+    path against the other in one process (the benchmarks)."""
+    global NATIVE
+    saved, NATIVE = NATIVE, on
+    try:
+        yield
+    finally:
+        NATIVE = saved
 
 
 def prepare() -> None:

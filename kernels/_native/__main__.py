@@ -1,6 +1,6 @@
 """``python -m kernels._native``: build the compiled eager tier's extension now, into torch's extension cache
-(``TORCH_EXTENSIONS_DIR``), so that a process with ``FUSED_KERNELS_NATIVE=1`` finds it built: its first calls then
-take the tier instead of the Python path while a background build runs. Exit status 1 when it cannot be built."""
+(``TORCH_EXTENSIONS_DIR``), so that a process finds it built: its first calls then take the tier instead of the
+Python path while a background build runs. Exit status 1 when it cannot be built."""
 
 from __future__ import annotations
 
