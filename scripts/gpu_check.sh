@@ -5,16 +5,18 @@
 #                                               # transformers | context_parallel (default: all but model and
 #                                               # transformers, the training benchmarks, and context_parallel, minutes
 #                                               # on every GPU of the host, which run when named);
-#                                               # any name N selects tests/test_N*.py (integration, gpt, swap, common)
+#                                               # any name N selects tests/test_N*.py (integration, gpt, swap, common),
+#                                               # N.py that one file (attention.py: tests/test_attention.py alone)
 #
 # Uses the machine's own python3 (no network, no nox). Writes under $OUT (default ./gpu-out):
 #   env.txt, tests.log (summaries), tests_all.log (every shard's output), bench.log, results.tgz (benchmarks/results/<gpu>/ of this run), summary.md
 # Knobs: EXAMPLE=1 (then the GPT example's step times, eager and compiled, both backends: gpt-*.txt),
 #   SHARDS=16 (test processes side by side; tests marked big_memory run alone after them, with the first
 #   range), SHARD_RANGE=a:b (run only shards a..b-1 of SHARDS, to split a long suite over several runs:
-#   the attention suite takes 8-10 minutes on 16 shards), SKIP_TESTS=1,
-#   SHARD_TIMEOUT=seconds (each shard's limit, default 3000: a shard past it is killed and reported, so one
-#   stuck test does not hold the run; a test running over FAULTHANDLER_TIMEOUT, default 300 s, prints its stack into
+#   the attention suite takes 8-10 minutes on 16 shards), FK_TEST_FROM=k (skip the first k collected tests: resume
+#   a suite that a limit cut, with TEST_ARGS=-vv (the script passes -q) naming each test in tests_all.log), SKIP_TESTS=1,
+#   SHARD_TIMEOUT=seconds (each shard's limit, default 3000: a shard past it is killed and reported with its
+#   threads' stacks, so one stuck test does not hold the run; a test running over FAULTHANDLER_TIMEOUT, default 300 s, prints its stack into
 #   tests_all.log), SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args, split on spaces: a -k expression with
 #   spaces goes in PYTEST_ADDOPTS="-k 'a or b'" instead). FUSED_KERNELS_ATTENTION_PATH=hopper
 #   or =portable runs every attention call on that kernel path (default auto: see kernels/attention/README.md).
@@ -43,9 +45,14 @@ bench_target=$(ls benchmarks/bench_*.py | grep -v -e bench_model -e bench_transf
 if [ ${#FAMILIES[@]} -gt 0 ]; then
   tests_target="" bench_target=""
   for family in "${FAMILIES[@]}"; do
-    tests_target+=$(ls tests/test_"$family"*.py 2>/dev/null | tr '\n' ' ')
-    bench_target+=$(ls benchmarks/bench_"$family"*.py 2>/dev/null | tr '\n' ' ')
+    pattern=$([[ $family == *.py ]] && echo "$family" || echo "$family*.py")  # attention.py: that one file
+    tests_target+=$(compgen -G "tests/test_$pattern" | sort | tr '\n' ' ')
+    bench_target+=$(compgen -G "benchmarks/bench_$pattern" | sort | tr '\n' ' ')
   done
+  if [ -z "$tests_target$bench_target" ]; then
+    echo "gpu_check.sh: no tests/test_NAME*.py or benchmarks/bench_NAME*.py matches: ${FAMILIES[*]}" >&2
+    exit 2
+  fi
 fi
 
 {
@@ -57,7 +64,8 @@ fi
 cat "$OUT/env.txt"
 
 status=0
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
+# named files without tests (host, model) run no tests: pytest given no file would run the whole suite
+if [ "${SKIP_TESTS:-0}" != 1 ] && { [ ${#FAMILIES[@]} = 0 ] || [ -n "$tests_target" ]; }; then
   # Shards run side by side (compiling is CPU-bound, the machine has 16 cores): SHARDS processes, each
   # taking every SHARDS-th collected test (FK_TEST_SHARD, see tests/conftest.py). tests.log gathers the
   # summaries.
@@ -69,7 +77,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   pids=() ids=()
   for ((i = first; i < last; i++)); do
     # shellcheck disable=SC2086
-    FK_TEST_SHARD="$i/$shards" timeout "${SHARD_TIMEOUT:-3000}" python3 -m pytest $tests_target -q -p no:cacheprovider \
+    FK_TEST_SHARD="$i/$shards" FK_STACKS_FILE="$logs/stacks-$i.txt" timeout "${SHARD_TIMEOUT:-3000}" python3 -m pytest $tests_target -q -p no:cacheprovider \
       -m "not big_memory" -o faulthandler_timeout="${FAULTHANDLER_TIMEOUT:-300}" ${TEST_ARGS:-} \
       > "$logs/tests-$i.log" 2>&1 &
     pids+=($!) ids+=("$i")
@@ -79,7 +87,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     wait "${pids[$j]}"
     rc=$?
     i=${ids[$j]}
-    { echo "== shard $i/$shards: exit $rc$([ "$rc" = 124 ] && echo ' (killed at SHARD_TIMEOUT)')"; grep -E "^(FAILED|ERROR)|^E   |passed|failed" "$logs/tests-$i.log" | tail -n 30; } \
+    { echo "== shard $i/$shards: exit $rc$([ "$rc" = 124 ] && echo ' (killed at SHARD_TIMEOUT)')"; grep -E "^(FAILED|ERROR)|^E   |passed|failed" "$logs/tests-$i.log" | tail -n 30
+      # a killed shard's threads, as they were when it was killed (tests/conftest.py writes them on SIGTERM)
+      [ "$rc" = 124 ] && [ -s "$logs/stacks-$i.txt" ] && { echo "-- its stacks when killed:"; head -n 80 "$logs/stacks-$i.txt"; }; } \
       | tee -a "$OUT/tests.log"
     [ "$rc" = 0 ] || [ "$rc" = 5 ] || status=1  # 5: nothing collected (no bf16 under the interpreter)
   done

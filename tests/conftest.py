@@ -3,7 +3,9 @@ imported; this file exposes it as fixtures and skips ``cuda``-marked tests in in
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 
 import pytest
 import torch
@@ -11,6 +13,21 @@ import torch
 import kernels._mode  # noqa: F401  (must run before anything imports triton)
 import kernels._native as native_tier
 from kernels._mode import DEVICE, INTERPRETER, MODE
+
+
+def _dump_stacks_on_sigterm():
+    """``FK_STACKS_FILE=path``: a test process ended by SIGTERM (the GPU script's shard limit) first writes every
+    thread's stack there, so that a shard stuck outside a test (session start, collection), where pytest's own
+    timeout does not look, says where it was."""
+    path = os.environ.get("FK_STACKS_FILE")
+    if not path or not hasattr(faulthandler, "register"):
+        return None
+    stacks = open(path, "w")  # noqa: SIM115  (held open for the life of the process)
+    faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
+    return stacks
+
+
+_STACKS = _dump_stacks_on_sigterm()
 
 
 def pytest_sessionstart(session):
@@ -25,7 +42,9 @@ def pytest_report_header(config):
 def _shard(items):
     """``FK_TEST_SHARD=i/n`` keeps every n-th collected test from the i-th: the GPU script runs n
     processes side by side (compiling is CPU-bound), and round robin spreads the slow-to-compile
-    cases (fp32, wide heads) evenly instead of leaving them to one shard."""
+    cases (fp32, wide heads) evenly instead of leaving them to one shard. ``FK_TEST_FROM=k`` first drops
+    the first k collected tests, so that a suite longer than one run's time limit resumes where it stopped."""
+    items = items[int(os.environ.get("FK_TEST_FROM", "0")):]
     spec = os.environ.get("FK_TEST_SHARD")
     if not spec:
         return items
