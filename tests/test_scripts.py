@@ -4,6 +4,7 @@ repository root of a fresh checkout (``python3 -m scripts.<name>`` or ``bash scr
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +93,18 @@ def test_sweep_attention_decode_plan_changes_set_the_fields_they_name():
     assert sweep_attention._decode_plan_change("splits/2")(table).splits == 2
     assert sweep_attention._decode_plan_change("splits/8")(table).splits == 1
     assert sweep_attention._decode_plan_change("balanced=1")(table).balanced is True
+
+
+def test_hopper_offline_compiles_the_gluon_kernels_without_a_gpu():
+    """``scripts.hopper_offline`` compiles the Hopper forward and backward for sm_90 with a stand-in driver and
+    reports ptxas's registers and spill bytes for each, in a process of its own (the Gluon kernels do not run
+    under the interpreter, which this suite may have on)."""
+    unset = ("PYTHONPATH", "TRITON_INTERPRET", "FUSED_KERNELS_TEST_MODE")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    done = subprocess.run([sys.executable, "-m", "scripts.hopper_offline", "--dims", "64", "--causal"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["_attn_fwd_hopper_kernel", "_attn_bwd_hopper_kernel"], lines
+    for line in lines:
+        assert re.search(r"Used \d+ registers", line) and re.search(r"\d+ bytes spill stores", line), line

@@ -1,0 +1,124 @@
+"""Compile the Hopper (sm_90) attention kernels on a machine without a GPU and report what ptxas makes of them.
+
+    python3 -m scripts.hopper_offline [--dims 64,128] [--kernels fwd,bwd] [--causal] [--dropout]
+
+The Gluon kernels do not run in the Triton interpreter, so a change to them is otherwise first seen on a GPU. This
+tool compiles them for sm_90a through the public launch path (``kernels.attention.ops``), with a stand-in driver
+that names an sm_90 target and launches nothing, then runs Triton's own ``ptxas -v`` over the PTX: a frontend,
+layout or register-allocation failure shows here, and so do registers and spill bytes per kernel (which the
+Triton launcher only reports on a GPU). Nothing is timed; the speed still needs the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+class _NoGpuDriver:
+    """What Triton's JIT asks of a driver to compile (not launch) a kernel: an sm_90 target, device 0, stream 0."""
+
+    def get_current_target(self):
+        return SM90
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+class _Compiles:
+    """Stands in for ``kernel_for(kernel)``: ``[grid](*args)`` compiles the kernel for these arguments (our TMA
+    arguments as Gluon's descriptors) and keeps what was compiled."""
+
+    def __init__(self, kernel, out: list):
+        self.kernel, self.out = kernel, out
+
+    def __getitem__(self, grid):
+        from kernels._common.launch import TmaTensor
+
+        def compile_for(*args, **kwargs):
+            args = [a.descriptor() if isinstance(a, TmaTensor) else a for a in args]
+            start = time.perf_counter()
+            compiled = self.kernel.warmup(*args, grid=grid, **kwargs)
+            self.out.append((self.kernel.fn.__name__, grid, compiled, time.perf_counter() - start))
+
+        return compile_for
+
+
+def ptxas_report(ptx: str) -> str:
+    """Registers, barriers, stack and spill bytes as ``ptxas -v`` (Triton's own binary) reports them for sm_90a."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True,
+                              check=True)
+    lines = (done.stdout + done.stderr).splitlines()
+    return "; ".join(re.sub(r"^ptxas info\s*:\s*", "", line.strip()) for line in lines
+                     if re.search("spill|registers", line))
+
+
+def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout: bool) -> list[tuple]:
+    """``(kernel name, head dim, grid, seconds, ptxas report)`` for each launch of the Hopper forward (``fwd``) and
+    backward (``bwd``) at each head dim, on a small bf16 call (B 2, Hq 8, Hkv 2, S 512)."""
+    triton.runtime.driver.set_active(_NoGpuDriver())
+    import kernels.attention.ops as ops
+    from kernels.attention import configs
+
+    compiled: list = []
+    ops.kernel_for = lambda kernel, traceable: _Compiles(kernel, compiled)
+    ops.multiprocessor_count = lambda index: 132
+    configs.sm_count = lambda device: 132
+    left, right = (-1, 0) if causal else (-1, -1)
+    rows = []
+    for d in dims:
+        b, hq, hkv, s, dt = 2, 8, 2, 512, torch.bfloat16
+        q, o, do = (torch.zeros(b, hq, s, d, dtype=dt) for _ in range(3))
+        k, v = (torch.zeros(b, hkv, s, d, dtype=dt) for _ in range(2))
+        lse, delta = torch.zeros(b, hq, s), torch.zeros(b, hq, s)
+        before = len(compiled)
+        if "fwd" in kernels:
+            ops._launch_fwd_hopper(q, k, v, o, lse, left, right, 0.1)
+        if "bwd" in kernels:
+            bd = configs.block_d(d)
+            dq_kernel = configs.takes_hopper_dq_kernel(bd, dropout)
+            dq_out = torch.zeros_like(q) if dq_kernel else torch.zeros(b, hq, s, bd)
+            drop = ops._dropout_args(0.2, 5) if dropout else ops._NO_DROPOUT
+            ops._launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, torch.zeros_like(k), torch.zeros_like(v), left,
+                                   right, 0.1, drop, dq_kernel)
+        for name, grid, kernel, seconds in compiled[before:]:
+            rows.append((name, d, grid, seconds, ptxas_report(kernel.asm["ptx"])))
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", default="64,128", help="head dims, comma-separated")
+    parser.add_argument("--kernels", default="fwd,bwd", help="fwd, bwd or both")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dropout", action="store_true", help="the backward with dropout (p 0.2)")
+    args = parser.parse_args(argv)
+    rows = compile_attention(args.kernels.split(","), [int(d) for d in args.dims.split(",")], args.causal,
+                             args.dropout)
+    for name, d, grid, seconds, report in rows:
+        print(f"{name} D {d} grid {grid} ({seconds:.1f} s): {report}")
+
+
+if __name__ == "__main__":
+    main()
