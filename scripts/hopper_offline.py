@@ -1,17 +1,21 @@
 """Compile the Hopper (sm_90) attention kernels on a machine without a GPU and report what ptxas makes of them.
 
-    python3 -m scripts.hopper_offline [--dims 64,128] [--kernels fwd,bwd] [--causal] [--dropout]
+    python3 -m scripts.hopper_offline [--dims 64,128] [--kernels fwd,bwd,decode] [--causal] [--dropout] [--sass]
 
 The Gluon kernels do not run in the Triton interpreter, so a change to them is otherwise first seen on a GPU. This
 tool compiles them for sm_90a through the public launch path (``kernels.attention.ops``), with a stand-in driver
 that names an sm_90 target and launches nothing, then runs Triton's own ``ptxas -v`` over the PTX: a frontend,
 layout or register-allocation failure shows here, and so do registers and spill bytes per kernel (which the
-Triton launcher only reports on a GPU). Nothing is timed; the speed still needs the GPU.
+Triton launcher only reports on a GPU). ``decode`` compiles the KV-cache decode kernel (a Triton kernel) for a bf16
+and an FP8 cache (B 16, Hq 32/Hkv 8, 8192 keys); ``--sass`` adds each kernel's most frequent SASS instructions
+(Triton's own cuobjdump), the count that shows, for example, what widening FP8 tiles costs. Nothing is timed; the
+speed still needs the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -60,6 +64,19 @@ class _Compiles:
         return compile_for
 
 
+def sass_histogram(cubin: bytes, top: int = 16) -> str:
+    """The ``top`` most frequent SASS opcodes of a cubin and the instruction count (Triton's own cuobjdump)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    opcodes = collections.Counter(match.group(1).split(".")[0] for match in re.finditer(
+        r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+    return f"{sum(opcodes.values())} instructions: " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(top))
+
+
 def ptxas_report(ptx: str) -> str:
     """Registers, barriers, stack and spill bytes as ``ptxas -v`` (Triton's own binary) reports them for sm_90a."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -75,14 +92,16 @@ def ptxas_report(ptx: str) -> str:
 
 
 def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout: bool) -> list[tuple]:
-    """``(kernel name, head dim, grid, seconds, ptxas report)`` for each launch of the Hopper forward (``fwd``) and
-    backward (``bwd``) at each head dim, on a small bf16 call (B 2, Hq 8, Hkv 2, S 512)."""
+    """``(kernel name, label, grid, seconds, compiled kernel)`` for each launch of the Hopper forward (``fwd``) and
+    backward (``bwd``) at each head dim, on a small bf16 call (B 2, Hq 8, Hkv 2, S 512), and of the decode kernel
+    (``decode``) on a bf16 and an FP8 cache."""
     triton.runtime.driver.set_active(_NoGpuDriver())
+    import kernels.attention.kvcache as kvcache
     import kernels.attention.ops as ops
     from kernels.attention import configs
 
     compiled: list = []
-    ops.kernel_for = lambda kernel, traceable: _Compiles(kernel, compiled)
+    ops.kernel_for = kvcache.kernel_for = lambda kernel, traceable: _Compiles(kernel, compiled)
     ops.multiprocessor_count = lambda index: 132
     configs.sm_count = lambda device: 132
     left, right = (-1, 0) if causal else (-1, -1)
@@ -102,22 +121,34 @@ def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout
             drop = ops._dropout_args(0.2, 5) if dropout else ops._NO_DROPOUT
             ops._launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, torch.zeros_like(k), torch.zeros_like(v), left,
                                    right, 0.1, drop, dq_kernel)
+        if "decode" in kernels:
+            for cache in (torch.bfloat16, torch.float8_e4m3fn):
+                queries = torch.zeros(16, 32, 1, d, dtype=torch.bfloat16)
+                k_cache, v_cache = (torch.zeros(16, 8, 8192, d, dtype=cache) for _ in range(2))
+                scales = {"k_scale": 0.5, "v_scale": 0.5} if cache == torch.float8_e4m3fn else {}
+                parts = kvcache._attend_parts(queries, k_cache, v_cache, torch.full((16,), 8192, dtype=torch.int32),
+                                              0, None, left, right, 0.1, False, 8192, **scales)
+                parts[5]()
+                compiled[-1] = (f"{compiled[-1][0]}[{str(cache).split('.')[-1]} cache]", *compiled[-1][1:])
         for name, grid, kernel, seconds in compiled[before:]:
-            rows.append((name, d, grid, seconds, ptxas_report(kernel.asm["ptx"])))
+            rows.append((name, f"D {d}", grid, seconds, kernel))
     return rows
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", default="64,128", help="head dims, comma-separated")
-    parser.add_argument("--kernels", default="fwd,bwd", help="fwd, bwd or both")
+    parser.add_argument("--kernels", default="fwd,bwd", help="any of fwd, bwd, decode, comma-separated")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dropout", action="store_true", help="the backward with dropout (p 0.2)")
+    parser.add_argument("--sass", action="store_true", help="also each kernel's most frequent SASS instructions")
     args = parser.parse_args(argv)
     rows = compile_attention(args.kernels.split(","), [int(d) for d in args.dims.split(",")], args.causal,
                              args.dropout)
-    for name, d, grid, seconds, report in rows:
-        print(f"{name} D {d} grid {grid} ({seconds:.1f} s): {report}")
+    for name, label, grid, seconds, kernel in rows:
+        print(f"{name} {label} grid {grid} ({seconds:.1f} s): {ptxas_report(kernel.asm['ptx'])}")
+        if args.sass:
+            print(f"  {sass_histogram(kernel.asm['cubin'])}")
 
 
 if __name__ == "__main__":

@@ -101,10 +101,15 @@ def test_hopper_offline_compiles_the_gluon_kernels_without_a_gpu():
     under the interpreter, which this suite may have on)."""
     unset = ("PYTHONPATH", "TRITON_INTERPRET", "FUSED_KERNELS_TEST_MODE")
     env = {k: v for k, v in os.environ.items() if k not in unset}
-    done = subprocess.run([sys.executable, "-m", "scripts.hopper_offline", "--dims", "64", "--causal"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "scripts.hopper_offline", "--dims", "64", "--causal", "--kernels",
+                           "fwd,bwd,decode", "--sass"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == ["_attn_fwd_hopper_kernel", "_attn_bwd_hopper_kernel"], lines
-    for line in lines:
+    kernels, histograms = lines[0::2], lines[1::2]
+    expected = ["_attn_fwd_hopper_kernel", "_attn_bwd_hopper_kernel", "_kvcache_attn_kernel[bfloat16",
+                "_kvcache_attn_kernel[float8_e4m3fn"]
+    assert [line.split()[0] for line in kernels] == expected, lines
+    for line in kernels:
         assert re.search(r"Used \d+ registers", line) and re.search(r"\d+ bytes spill stores", line), line
+    for line in histograms:
+        assert re.match(r"\s+\d+ instructions: [A-Z]", line), line
