@@ -13,12 +13,13 @@
 # Knobs: EXAMPLE=1 (then the GPT example's step times, eager and compiled, both backends: gpt-*.txt),
 #   SHARDS=16 (test processes side by side; tests marked big_memory run alone after them, with the first
 #   range), SHARD_RANGE=a:b (run only shards a..b-1 of SHARDS, to split a long suite over several runs:
-#   the attention suite takes 8-10 minutes on 16 shards), FK_TEST_FROM=k (skip the first k collected tests: resume
-#   a suite that a limit cut, with TEST_ARGS=-vv (the script passes -q) naming each test in tests_all.log), SKIP_TESTS=1,
-#   SHARD_TIMEOUT=seconds (each shard's limit, default 3000: a shard past it is killed and reported with its
-#   threads' stacks, so one stuck test does not hold the run; a test running over FAULTHANDLER_TIMEOUT, default 300 s, prints its stack into
-#   tests_all.log), SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra pytest args, split on spaces: a -k expression with
-#   spaces goes in PYTEST_ADDOPTS="-k 'a or b'" instead). FUSED_KERNELS_ATTENTION_PATH=hopper
+#   the attention suite takes 8-10 minutes on 16 shards), FK_TEST_FROM=k (skip the first k collected tests:
+#   resume a suite that a limit cut; TEST_ARGS=-vv, over the script's -q, names each test in tests_all.log),
+#   SKIP_TESTS=1, SHARD_TIMEOUT=seconds (each shard's limit, default 3000: a shard past it is killed and reported
+#   with its threads' stacks, so one stuck test does not hold the run; a test running over FAULTHANDLER_TIMEOUT,
+#   default 300 s, prints its stack into tests_all.log), SKIP_BENCH=1, TEST_ARGS="...", BENCH_ARGS="..." (extra
+#   pytest args, split on spaces: a -k expression with spaces goes in PYTEST_ADDOPTS="-k 'a or b'" instead).
+#   FUSED_KERNELS_ATTENTION_PATH=hopper
 #   or =portable runs every attention call on that kernel path (default auto: see kernels/attention/README.md).
 # Exit status: non-zero when the tests or the benchmarks failed.
 set -uo pipefail
