@@ -5,7 +5,8 @@
     python3 -m scripts.ab_kernels attention BASELINE_KERNELS_PY [--rounds 7] [--dtype bfloat16]
         [--dims 64,128] [--lengths 1024,4096] [--tile KERNEL:BM,BN,WARPS,STAGES ...] [--backward | --backward-only]
         [--dropout P [--no-check]] [--hopper-dq DIMS] [--hopper-tile KERNEL:D:BLOCK_N,STAGES[,FIELD=N] ...]
-        [--group G] [--shape B,HQ,HKV,SQ,SK ...] [--path P ...] [--peer cudnn|flash|efficient ...]
+        [--group G] [--group-heads N ...] [--shape B,HQ,HKV,SQ,SK ...] [--path P ...]
+        [--peer cudnn|flash|efficient ...]
     python3 -m scripts.ab_kernels layernorm BASELINE_KERNELS_PY [--rounds 7] [--widths 1024,8192,65536]
 
 Make the baseline first, e.g. ``git show HEAD~1:kernels/attention/_kernels.py > /tmp/base.py``; ``-`` as
@@ -17,6 +18,8 @@ variant whose Hopper backward computes dQ by its kernel of its own at exactly th
 whose Hopper forward (``fwd``), dQ kernel (``dq``) or backward (``bwd``; its key block stays 128) takes another key
 block and ring depth at padded head dim D, and other fields of its tile by name (``fwd:256:64,2,o_in_q=1``,
 ``bwd:128:128,2,split_96=0``; ``configs.hopper_tiles``; a field ``path=hopper`` also forces that kernel path);
+``--group-heads N`` a variant whose Hopper backward gives a program at most N query heads of a GQA group
+(``configs.hopper_group_heads``: a larger group is split over programs that sum dK and dV in fp32);
 ``--path P`` a variant on kernel path P; ``--peer B`` times SDPA on backend B beside them (forward, or forward +
 backward with ``--backward``), so that a ratio to it comes from the same rounds.
 Variants alternate within each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is
@@ -72,6 +75,8 @@ def _variants(args) -> dict[str, Callable[[], contextlib.AbstractContextManager]
         variants[f"dq-kernel@{','.join(map(str, dims)) or 'none'}"] = lambda: configs.hopper_dq_kernel(dims)
     for path in args.path:
         variants[f"path:{path}"] = lambda path=path: configs.forced_path(path)
+    for heads in args.group_heads:
+        variants[f"group-heads:{heads}"] = lambda heads=heads: configs.hopper_group_heads(heads)
     for spec in args.hopper_tile:
         kernel, d, numbers = spec.split(":")
         table = {"fwd": configs.HOPPER_FORWARD, "dq": configs.HOPPER_DQ, "bwd": configs.HOPPER_BACKWARD}[kernel]
@@ -241,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer", action="append", default=[], choices=("cudnn", "flash", "efficient"),
                         help="attention: time SDPA on this backend beside the variants (repeatable)")
     parser.add_argument("--group", type=int, default=1, help="attention: query heads per key/value head (GQA)")
+    parser.add_argument("--group-heads", type=int, action="append", default=[], metavar="N",
+                        help="attention: a variant whose Hopper backward walks at most N query heads per program")
     parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
     args = parser.parse_args(argv)
     variants = _variants(args)

@@ -588,6 +588,82 @@ def test_a_compiled_call_runs_the_hopper_kernels_and_matches_eager(monkeypatch):
             torch.testing.assert_close(b, a, rtol=0, atol=0 if deterministic else 2e-3)
 
 
+#: (B, Hq, Hkv, Sq, Sk, D, causal, dropout p, dtype): grouped calls whose backward may split a group over programs
+GROUP_SPLIT_CASES = [
+    (2, 8, 2, 300, 300, 128, True, 0.0, torch.bfloat16),  # group 4, partial blocks
+    (1, 12, 2, 200, 333, 64, False, 0.0, torch.float16),  # group 6: parts of 3, 2 or 1 heads; Sq != Sk
+    (2, 8, 1, 256, 512, 128, True, 0.25, torch.bfloat16),  # MQA, group 8, dropout
+]
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("heads", [1, 2, 3])
+@pytest.mark.parametrize("case", GROUP_SPLIT_CASES, ids=str)
+def test_a_group_split_over_programs_gives_the_unsplit_backwards_gradients(case, heads):
+    """At most ``heads`` query heads per program (``configs.hopper_group_heads``): the group's parts add dK and dV
+    into fp32 accumulators; every gradient stays within twice torch's error and close to the unsplit kernel's."""
+    b, hq, hkv, sq, sk, d, causal, p, dtype = case
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d, dtype)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    kw = {"causal": causal, "dropout_p": p, "seed": 11}
+    bd = configs.block_d(d)
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_backward(q, k, v, do, p)
+        with configs.hopper_group_heads(heads):
+            parts = configs.hopper_group_parts(hq // hkv, bd, False, False, False)
+            split = _grads(lambda a, b_, c: flash_attention(a, b_, c, **kw), q, k, v, do)
+        with configs.hopper_group_heads(hq // hkv):
+            whole = _grads(lambda a, b_, c: flash_attention(a, b_, c, **kw), q, k, v, do)
+    assert parts == hq // hkv // max(h for h in range(1, heads + 1) if (hq // hkv) % h == 0)
+    peer = _grads(lambda a, b_, c: _low_precision_attention(a, b_, c, causal, (-1, -1), p, 11), q, k, v, do)
+    reference = _grads(lambda a, b_, c: twin.attention(a, b_, c, **kw), q.double(), k.double(), v.double(),
+                       do.double())
+    for name, got, unsplit, pe, r in zip(("o", "dq", "dk", "dv"), split, whole, peer, reference, strict=True):
+        assert got.dtype == dtype and got.shape == r.shape and got.stride() == unsplit.stride(), name
+        assert_no_worse_than_torch(name, got, pe, r, atol=ATOL[dtype])
+        torch.testing.assert_close(got, unsplit, rtol=0, atol=ATOL[dtype], msg=name)
+
+
+def test_hopper_group_parts_split_a_group_into_the_fewest_parts_of_at_most_the_set_heads():
+    with configs.hopper_group_heads(4):
+        assert [configs.hopper_group_parts(g, 128, False, False, False) for g in (1, 2, 4, 6, 7, 8, 16)] == \
+            [1, 1, 1, 2, 7, 2, 4]
+        assert configs.hopper_group_parts(8, 64, False, False, False) == 2
+        # no split where nothing sums dK and dV: the dQ kernel, head dims 65-96 and 256, deterministic calls
+        assert configs.hopper_group_parts(8, 128, True, False, False) == 1
+        assert configs.hopper_group_parts(8, 128, False, True, False) == 1
+        assert configs.hopper_group_parts(8, 256, False, False, False) == 1
+        assert configs.hopper_group_parts(8, 128, False, False, True) == 1
+    with configs.hopper_group_heads(1):
+        assert configs.hopper_group_parts(6, 64, False, False, False) == 6
+
+
+def test_hopper_group_heads_is_checked_restored_and_changes_the_replay_signature():
+    before, version = configs.HOPPER_BACKWARD_GROUP_HEADS, configs.hopper_tables_version
+    with configs.hopper_group_heads(before + 1):
+        assert before + 1 == configs.HOPPER_BACKWARD_GROUP_HEADS
+        assert configs.hopper_tables_version != version  # a launch recorded under another split is not replayed
+    assert (configs.HOPPER_BACKWARD_GROUP_HEADS, configs.hopper_tables_version) == (before, version)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="heads"), configs.hopper_group_heads(bad):
+            pass
+
+
+def test_the_backward_preprocess_zeroes_the_dk_dv_accumulators_of_a_split_group():
+    """A group split over programs adds dK and dV into fp32 accumulators ((B, Hkv, Sk, padded D)) that the
+    preprocess kernel zeroes: their rows are not its grid's, so they are dealt over its programs, here more rows
+    than the grid's and a count that is no multiple of the block."""
+    o, do = (torch.randn(2, 4, 70, 40, generator=torch.Generator().manual_seed(s)).to(DEVICE, torch.float16)
+             for s in (1, 2))
+    delta = torch.empty(2, 4, 70, device=DEVICE)
+    dkv = tuple(torch.full((2, 2, 333, 64), float("nan"), device=DEVICE) for _ in range(2))
+    ops._launch_bwd_preprocess(o, do, delta, dkv_acc=dkv)
+    torch.testing.assert_close(delta, (o.float() * do.float()).sum(-1), rtol=1e-4, atol=1e-4)
+    for acc in dkv:
+        assert torch.equal(acc, torch.zeros_like(acc))
+
+
 def test_the_backward_preprocess_zeroes_the_hopper_dq_accumulator():
     """The Hopper backward adds dQ into an fp32 accumulator ((B, Hq, Sq, padded D)) that the preprocess kernel
     zeroes beside ``delta``: every row, the padded columns too, at a length that is not a multiple of the block."""

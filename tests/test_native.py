@@ -735,6 +735,29 @@ def test_native_attention_with_arrival_order_dq_matches_within_rounding(native, 
 
 
 @pytest.mark.cuda
+def test_native_attention_with_a_group_split_over_programs_matches_within_rounding(native, monkeypatch):
+    """A grouped Hopper backward split over programs (``configs.hopper_group_heads``): the program allocates dK's and
+    dV's fp32 accumulators, the preprocess zeroes them and copies cast them; equal to the Python path to
+    rounding (both sum in arrival order)."""
+    import kernels.attention.ops as ops
+    from kernels.attention import configs
+
+    if not configs.is_hopper(torch.device(DEVICE)):
+        pytest.skip("needs an sm_90 GPU (H100, H200)")
+    torch.manual_seed(2)
+    q = torch.randn(2, 8, 512, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 512, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    do = torch.randn_like(q)
+    with configs.forced_path("hopper"), configs.hopper_group_heads(1):
+        python, compiled = _python_then_native(monkeypatch, ops._NATIVE_CALLS,
+                                               lambda: _attention_calls(q, k, v, do, causal=True))
+    for got in compiled:
+        for a, e in zip(got, python[0], strict=True):
+            assert a.stride() == e.stride()
+            torch.testing.assert_close(a, e, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("residual_kind", ["bf16", "fp32-stream", "none"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])

@@ -64,20 +64,24 @@ def test_ab_kernels_variants_set_what_they_name_and_restore_it():
 
     tiles = ["bwd:128:128,2,split_96=0", "fwd:64:128,2,persistent=1,path=hopper"]
     args = argparse.Namespace(family="attention", baseline="-", hopper_dq=None, path=["portable"], hopper_tile=tiles,
-                              tile=[])
-    before = (configs.path(), configs.HOPPER_BACKWARD[128], configs.HOPPER_FORWARD[64], configs.hopper_tables_version)
+                              tile=[], group_heads=[1])
+    before = (configs.path(), configs.HOPPER_BACKWARD[128], configs.HOPPER_FORWARD[64], configs.hopper_tables_version,
+              configs.HOPPER_BACKWARD_GROUP_HEADS)
     seen = {}
     for name, variant in ab_kernels._variants(args).items():
         with variant():
-            seen[name] = (configs.path(), configs.HOPPER_BACKWARD[128].split_96, configs.HOPPER_FORWARD[64].persistent)
+            seen[name] = (configs.path(), configs.HOPPER_BACKWARD[128].split_96, configs.HOPPER_FORWARD[64].persistent,
+                          configs.HOPPER_BACKWARD_GROUP_HEADS)
+    heads = before[4]
     assert seen == {
-        "this": (before[0], True, False),
-        "path:portable": ("portable", True, False),
-        "bwd:128:128,2,split_96=0": (before[0], False, False),
-        "fwd:64:128,2,persistent=1,path=hopper": ("hopper", True, True),
+        "this": (before[0], True, False, heads),
+        "path:portable": ("portable", True, False, heads),
+        "group-heads:1": (before[0], True, False, 1),
+        "bwd:128:128,2,split_96=0": (before[0], False, False, heads),
+        "fwd:64:128,2,persistent=1,path=hopper": ("hopper", True, True, heads),
     }
     assert (configs.path(), configs.HOPPER_BACKWARD[128], configs.HOPPER_FORWARD[64],
-            configs.hopper_tables_version) == before
+            configs.hopper_tables_version, configs.HOPPER_BACKWARD_GROUP_HEADS) == before
 
 
 def test_sweep_attention_decode_plan_changes_set_the_fields_they_name():

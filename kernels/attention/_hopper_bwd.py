@@ -6,7 +6,9 @@ beside ``reference/attention.py``): dQ, dK, dV of softmax(Q K^T * scale) V for t
 sequence) strides. ``delta = rowsum(dO * O)`` comes from the portable preprocess kernel first.
 
 Schedule (one program = 128 keys of one (batch, key/value head), walking every query block of every query head of its
-GQA group that sees them; small causal grids run key-block-major: ``_key_program``, ``configs.hopper_key_major``):
+GQA group that sees them; small causal grids run key-block-major: ``_key_program``, ``configs.hopper_key_major``;
+a large group is split over ``GROUP_PARTS`` programs side by side in the grid, ``configs.hopper_group_parts``, whose
+dK and dV go out as TMA reductions into fp32 accumulators the preprocess zeroed, then one cast each):
 - a **producer** warp loads K and V once, then the 64-row Q and dO tiles into a ring of ``STAGES`` slots ("ready"
   and "empty" mbarriers), with the block's log-sum-exp (base 2) and ``delta`` beside them;
 - two **consumer** warpgroups own 64 keys each, dK and dV in registers; in the transposed frame (keys are the wgmma
@@ -28,10 +30,10 @@ and the base 16-byte aligned), padded head dims 64 and 128 (256 has ``_hopper_bw
 ``kernels.attention.ops.uses_hopper_backward`` and ``configs.prefers_hopper_backward`` say which calls come here.
 
 Trade-offs: dQ is a sum of fp32 reductions in arrival order, not bitwise reproducible (``deterministic=True`` takes
-this kernel without dQ and the dQ kernel at head dim 128, the portable backward at 64); the accumulator costs
-``B * Hq * Sq * D * 4`` bytes; each consumer waits on every wgmma it issues, so nothing overlaps the softmax inside a
-warpgroup; the band is taken per 128-key program, so a consumer may compute a block its own keys do not see (masked
-to zero). The speed, and the levers measured and not kept: the family's TUNING.md.
+this kernel without dQ and the dQ kernel at head dim 128, the portable backward at 64; they never split a group);
+the accumulator costs ``B * Hq * Sq * D * 4`` bytes; each consumer waits on every wgmma it issues, so nothing
+overlaps the softmax inside a warpgroup; the band is taken per 128-key program, so a consumer may compute a block its
+own keys do not see (masked to zero). The speed, and the levers measured and not kept: the family's TUNING.md.
 """
 
 from triton._C.libtriton import ir
@@ -172,10 +174,10 @@ def _key_program(Hkv, BLOCK_N: gl.constexpr, KEY_MAJOR: gl.constexpr = False):
 
 
 @gluon.jit
-def _ring_step(i, query_blocks, hk, GROUP, start_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """Step ``i`` of a program's walk over its GQA group's query heads (``query_blocks`` blocks each): the ring
-    slot, the phase its ready barriers complete in on this pass, the query head and the block's first row."""
-    h = hk * GROUP + i // query_blocks
+def _ring_step(i, query_blocks, first_head, start_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Step ``i`` of a program's walk over its query heads (``first_head`` on, ``query_blocks`` blocks each): the
+    ring slot, the phase its ready barriers complete in on this pass, the query head and the block's first row."""
+    h = first_head + i // query_blocks
     m0 = start_m + (i % query_blocks) * BLOCK_M
     return i % STAGES, (i // STAGES) & 1, h, m0
 
@@ -197,15 +199,15 @@ def _stage_query_stats(lse_ptr, delta_ptr, stride_lb, stride_lh, lse_slot, delta
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, mask_smem,
               kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, lse_ptr, delta_ptr, stride_lb, stride_lh, b,
-              hk, GROUP, Sq, n0, start_m, end_m, b_heads, key0, key1, threshold, STAGES: gl.constexpr,
+              hk, first_head, heads, Sq, n0, start_m, end_m, b_heads, key0, key1, threshold, STAGES: gl.constexpr,
               DROPOUT: gl.constexpr):
     mbarrier.expect(kv_ready.index(0), 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + half * HALF_N, 0], kv_ready.index(0), k_smem.index(half))
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + half * HALF_N, 0], kv_ready.index(0), v_smem.index(half))
     query_blocks = gl.cdiv(end_m - start_m, BLOCK_M)
-    for i in range(GROUP * query_blocks):
-        slot, phase, h, m0 = _ring_step(i, query_blocks, hk, GROUP, start_m, BLOCK_M, STAGES)
+    for i in range(heads * query_blocks):
+        slot, phase, h, m0 = _ring_step(i, query_blocks, first_head, start_m, BLOCK_M, STAGES)
         # a fresh mbarrier counts as having completed the phase before 0: the first pass does not wait
         phase = phase ^ 1
         mbarrier.wait(empty.index(slot), phase)
@@ -276,11 +278,55 @@ def _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, H
 
 
 @gluon.jit
+def _reduce_part(part, desc, tiles, b, hk, row0, col0, TILE: gl.constexpr, WAIT: gl.constexpr):
+    """Adds ``part`` (64 rows x 32 columns, fp32) into the tensor under ``desc`` at ``[b, hk, row0, col0]`` by one TMA
+    bulk reduction from tile ``TILE`` of ``tiles``; ``WAIT`` first lets this thread's earlier reductions finish
+    reading their tiles."""
+    if WAIT:
+        tma.store_wait(0)
+        gl.thread_barrier()
+    tiles.index(TILE).reshape([HALF_N, DQ_TILE_COLS]).store(part)
+    fence_async_shared()
+    _tma_reduce_add(desc, [b, hk, row0, col0], tiles.index(TILE))
+
+
+@gluon.jit
+def _reduce_rows(x, desc, tiles, b, hk, row0, FIRST_TILE: gl.constexpr, TILES: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Adds ``x`` (this consumer's 64 rows of dK or dV, fp32, ``BLOCK_D`` columns in a wgmma accumulator) into the
+    fp32 accumulator under ``desc`` at rows ``row0 ..`` of (b, hk): 32 columns per TMA reduction, staged through
+    ``TILES`` tiles (1 or 2) from ``FIRST_TILE`` on, each written again once its reduction has read it. Column
+    parts of an accumulator are separate registers: splitting moves no data."""
+    gl.static_assert(BLOCK_D == 64 or BLOCK_D == 128, "dK/dV reductions: head dims 64 and 128")
+    lo, hi = _column_halves(x)
+    if BLOCK_D == 128:
+        p0, p1 = _column_halves(lo)
+        p2, p3 = _column_halves(hi)
+        if TILES == 2:
+            _reduce_part(p0, desc, tiles, b, hk, row0, 0, FIRST_TILE, True)
+            _reduce_part(p1, desc, tiles, b, hk, row0, 32, FIRST_TILE + 1, False)
+            _reduce_part(p2, desc, tiles, b, hk, row0, 64, FIRST_TILE, True)
+            _reduce_part(p3, desc, tiles, b, hk, row0, 96, FIRST_TILE + 1, False)
+        else:
+            _reduce_part(p0, desc, tiles, b, hk, row0, 0, FIRST_TILE, True)
+            _reduce_part(p1, desc, tiles, b, hk, row0, 32, FIRST_TILE, True)
+            _reduce_part(p2, desc, tiles, b, hk, row0, 64, FIRST_TILE, True)
+            _reduce_part(p3, desc, tiles, b, hk, row0, 96, FIRST_TILE, True)
+    else:
+        if TILES == 2:
+            _reduce_part(lo, desc, tiles, b, hk, row0, 0, FIRST_TILE, True)
+            _reduce_part(hi, desc, tiles, b, hk, row0, 32, FIRST_TILE + 1, False)
+        else:
+            _reduce_part(lo, desc, tiles, b, hk, row0, 0, FIRST_TILE, True)
+            _reduce_part(hi, desc, tiles, b, hk, row0, 32, FIRST_TILE, True)
+
+
+@gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready, q_ready,
-              do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP,
-              Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep, HALF: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
-              STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr, D_SPLIT: gl.constexpr):
+              do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk,
+              first_head, heads, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep,
+              HALF: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr,
+              BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr,
+              D_SPLIT: gl.constexpr, REDUCE_DKDV: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     # (keys, queries) tiles: S^T, dP^T, P^T, dS^T
     t_layout: gl.constexpr = warpgroup_accumulator(BLOCK_M)
@@ -312,8 +358,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
     t_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=t_layout)
     query_blocks = gl.cdiv(end_m - start_m, BLOCK_M)
     mbarrier.wait(kv_ready.index(0), 0)
-    for i in range(GROUP * query_blocks):
-        slot, phase, h, m0 = _ring_step(i, query_blocks, hk, GROUP, start_m, BLOCK_M, STAGES)
+    for i in range(heads * query_blocks):
+        slot, phase, h, m0 = _ring_step(i, query_blocks, first_head, start_m, BLOCK_M, STAGES)
         rows = m0 + gl.arange(0, BLOCK_M, layout=query_layout)
         q_tile = q_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, BLOCK_D])
@@ -384,42 +430,51 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
                 _dq_by_tma_reduction(ds_buffer, k_smem, dq_smem, dq_desc, b, h, m0, scale, HALF, BLOCK_D, False,
                                      D_SPLIT)
 
-    # Their shared memory stages dK and dV for the TMA stores (which clip rows past Sk). This consumer's V half is
-    # read by no one else now; its K half is, by the other consumer's last dQ products: both say they are done
-    # first (without that wait, a consumer that finished early overwrote K under the other's dQ).
-    mbarrier.arrive(keys_done.index(0), count=1)
-    if D_SPLIT:
-        v_tile.slice(0, 64, dim=1).store(dv_lo.to(dtype))
-        v_tile.slice(64, 32, dim=1).store(dv_hi.to(dtype))
+    if REDUCE_DKDV:
+        # other programs walk the group's other query heads for these keys: dK and dV are added into fp32
+        # accumulators, through this consumer's dQ tiles
+        TILES: gl.constexpr = 2 if DQ_TURNS else BLOCK_D // 64
+        _reduce_rows(dv, dv_desc, dq_smem, b, hk, n0 + HALF * HALF_N, HALF * TILES, TILES, BLOCK_D)
+        _reduce_rows(dk * scale, dk_desc, dq_smem, b, hk, n0 + HALF * HALF_N, HALF * TILES, TILES, BLOCK_D)
     else:
-        v_tile.store(dv.to(dtype))
-    mbarrier.wait(keys_done.index(0), 0)
-    if D_SPLIT:
-        k_tile.slice(0, 64, dim=1).store((dk_lo * scale).to(dtype))
-        k_tile.slice(64, 32, dim=1).store((dk_hi * scale).to(dtype))
-    else:
-        k_tile.store((dk * scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + HALF * HALF_N, 0], k_smem.index(HALF))
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + HALF * HALF_N, 0], v_smem.index(HALF))
+        # Their shared memory stages dK and dV for the TMA stores (which clip rows past Sk). This consumer's V half
+        # is read by no one else now; its K half is, by the other consumer's last dQ products: both say they are
+        # done first (without that wait, a consumer that finished early overwrote K under the other's dQ).
+        mbarrier.arrive(keys_done.index(0), count=1)
+        if D_SPLIT:
+            v_tile.slice(0, 64, dim=1).store(dv_lo.to(dtype))
+            v_tile.slice(64, 32, dim=1).store(dv_hi.to(dtype))
+        else:
+            v_tile.store(dv.to(dtype))
+        mbarrier.wait(keys_done.index(0), 0)
+        if D_SPLIT:
+            k_tile.slice(0, 64, dim=1).store((dk_lo * scale).to(dtype))
+            k_tile.slice(64, 32, dim=1).store((dk_hi * scale).to(dtype))
+        else:
+            k_tile.store((dk * scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + HALF * HALF_N, 0], k_smem.index(HALF))
+        tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + HALF * HALF_N, 0], v_smem.index(HALF))
     tma.store_wait(0)
 
 
 @gluon.jit
 def _consumer_worker(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready,
                      q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc,
-                     b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr, BLOCK_D: gl.constexpr,
-                     STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr, D_SPLIT: gl.constexpr):
+                     b, hk, first_head, heads, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m,
+                     inv_keep, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, DROPOUT: gl.constexpr,
+                     BLOCK_D: gl.constexpr, STAGES: gl.constexpr, DQ_TURNS: gl.constexpr, WRITE_DQ: gl.constexpr,
+                     D_SPLIT: gl.constexpr, REDUCE_DKDV: gl.constexpr):
     _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready, q_ready,
-              do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk, GROUP,
-              Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep, 1, HAS_LEFT, HAS_RIGHT,
-              DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ, D_SPLIT)
+              do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc, b, hk,
+              first_head, heads, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep, 1,
+              HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ, D_SPLIT, REDUCE_DKDV)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "seed_lo", "seed_hi", "seed_in_memory", "threshold"])
 def _attn_bwd_hopper_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,  # TMA descriptors over (B, H, S, D); blocks [1, 1, 64, BLOCK_D]
+    q_desc, k_desc, v_desc, do_desc,  # TMA descriptors over (B, H, S, D); blocks [1, 1, 64, BLOCK_D]
+    dk_desc, dv_desc,  # as k_desc, or with GROUP_PARTS > 1 over fp32 accumulators (zeroed) as dq_desc
     dq_desc,  # TMA descriptor over the dQ accumulator ((B, Hq, Sq, BLOCK_D) fp32, zeroed); blocks [1, 1, 64, 32]
     lse_ptr, delta_ptr, stride_lb, stride_lh,  # (B, Hq, Sq) fp32, 1 along the sequence
     Hkv, GROUP, Sq, Sk, scale, LEFT, RIGHT,
@@ -429,11 +484,18 @@ def _attn_bwd_hopper_kernel(
     WRITE_DQ: gl.constexpr = True,
     D_SPLIT: gl.constexpr = False,  # head dims 65-96 in 128-column tiles: products over 64 + 32 columns
     KEY_MAJOR: gl.constexpr = False,  # the grid's order (``_key_program``)
+    GROUP_PARTS: gl.constexpr = 1,  # programs per key block of a (batch, K/V head), each walking GROUP / parts heads
 ):
     # with dropout the producer is a warpgroup: it draws the keep masks too
     PRODUCER_WARPS: gl.constexpr = 4 if DROPOUT else 1
     FIRST_HALF: gl.constexpr = 0
-    b, hk, n0 = _key_program(Hkv, BLOCK_N, KEY_MAJOR)
+    # the parts of one (batch, K/V head) side by side in the grid: their K/V tiles and accumulators stay in L2
+    b, group_part, n0 = _key_program(Hkv * GROUP_PARTS, BLOCK_N, KEY_MAJOR)
+    hk = group_part // GROUP_PARTS
+    heads = GROUP // GROUP_PARTS
+    first_head = hk * GROUP + (group_part % GROUP_PARTS) * heads
+    REDUCE_DKDV: gl.constexpr = GROUP_PARTS > 1
+    gl.static_assert(not REDUCE_DKDV or (WRITE_DQ and not D_SPLIT), "group parts: with dQ, head dims 64 and 128")
     scale = scale.to(gl.float32)
     b_heads = b * Hkv * GROUP  # query heads of the batches before b: the dropout counter's head word is b_heads + h
     if DROPOUT:
@@ -496,15 +558,16 @@ def _attn_bwd_hopper_kernel(
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem, kv_ready,
                      q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc, dv_desc, dq_desc,
-                     b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m, inv_keep,
-                     FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ, D_SPLIT)),
+                     b, hk, first_head, heads, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo, full_hi, end_m,
+                     inv_keep, FIRST_HALF, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS, WRITE_DQ, D_SPLIT,
+                     REDUCE_DKDV)),
         (_consumer_worker, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_smem, delta_smem,
                             kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, ds_ready, keys_done, dk_desc,
-                            dv_desc, dq_desc, b, hk, GROUP, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m, full_lo,
-                            full_hi, end_m, inv_keep, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS,
-                            WRITE_DQ, D_SPLIT)),
+                            dv_desc, dq_desc, b, hk, first_head, heads, Sq, Sk, n0, scale, lo_shift, hi_shift, start_m,
+                            full_lo, full_hi, end_m, inv_keep, HAS_LEFT, HAS_RIGHT, DROPOUT, BLOCK_D, STAGES, DQ_TURNS,
+                            WRITE_DQ, D_SPLIT, REDUCE_DKDV)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, mask_smem,
                      kv_ready, q_ready, do_ready, stats_ready, mask_ready, empty, lse_ptr, delta_ptr, stride_lb,
-                     stride_lh, b, hk, GROUP, Sq, n0, start_m, end_m, b_heads, key0, key1, threshold, STAGES,
-                     DROPOUT)),
+                     stride_lh, b, hk, first_head, heads, Sq, n0, start_m, end_m, b_heads, key0, key1, threshold,
+                     STAGES, DROPOUT)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

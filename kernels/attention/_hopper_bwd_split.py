@@ -85,7 +85,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, 
         tma.async_copy_global_to_shared(v_desc, [b, hk, n0, half * COLS], kv_ready.index(0), v_smem.index(half))
     query_blocks = gl.cdiv(end_m - start_m, BLOCK_M)
     for i in range(GROUP * query_blocks):
-        slot, phase, h, m0 = _ring_step(i, query_blocks, hk, GROUP, start_m, BLOCK_M, STAGES)
+        slot, phase, h, m0 = _ring_step(i, query_blocks, hk * GROUP, start_m, BLOCK_M, STAGES)
         # a fresh mbarrier counts as having completed the phase before 0: the first pass does not wait
         phase = phase ^ 1
         mbarrier.wait(empty.index(slot), phase)
@@ -137,7 +137,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, lse_smem, delta_
     steps = GROUP * query_blocks
     mbarrier.wait(kv_ready.index(0), 0)
     for i in range(steps):
-        slot, phase, h, m0 = _ring_step(i, query_blocks, hk, GROUP, start_m, BLOCK_M, STAGES)
+        slot, phase, h, m0 = _ring_step(i, query_blocks, hk * GROUP, start_m, BLOCK_M, STAGES)
         rows = m0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=query_layout)
         q_own = q_smem.index(2 * slot + HALF).reshape([HALF_M, BLOCK_D])
         do_own = do_smem.index(2 * slot + HALF).reshape([HALF_M, BLOCK_D])

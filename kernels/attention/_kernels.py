@@ -8,7 +8,7 @@ Implements (read beside ``reference/attention.py``, which runs the same blocks i
   so cost grows with the window, not with S^2; only blocks that cross its edges, or the end of K, pay
   for a mask.
 - ``_attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)``; for the Hopper backward it also zeroes the fp32 dQ
-  accumulator that kernel adds into.
+  accumulator that kernel adds into, and the dK/dV ones where programs share a GQA group's keys.
 - ``_attn_bwd_kernel``: two kinds of programs in one grid, dK/dV programs first (``DKDV``), then dQ
   programs (``DQ``); the launcher runs both kinds in one launch when their tile configs share warps and
   stages, else one launch per kind. A dK/dV program (``_attn_bwd_dkdv_program``) owns a key block of one
@@ -320,6 +320,8 @@ def _attn_bwd_preprocess_kernel(
     o_ptr, do_ptr,  # (B, Hq, Sq, D), any strides
     delta_ptr,  # (B, Hq, Sq) fp32 output, laid out as the lse
     dq_acc_ptr,  # (B, Hq, Sq, BLOCK_D) fp32, contiguous: zeroed here when ZERO_DQ_ACC (the Hopper backward's dQ sums)
+    dk_acc_ptr, dv_acc_ptr,  # ZERO_DKV_ACC: two contiguous fp32 tensors of dkv_acc_rows rows of BLOCK_D, zeroed here
+    dkv_acc_rows,
     cu_seqlens_q,
     stride_lb, stride_lh,
     stride_ob, stride_oh, stride_os, stride_od,
@@ -330,16 +332,27 @@ def _attn_bwd_preprocess_kernel(
     EVEN_D: tl.constexpr,
     VARLEN: tl.constexpr,
     ZERO_DQ_ACC: tl.constexpr,
+    ZERO_DKV_ACC: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    if ZERO_DKV_ACC:
+        # their rows are not the grid's (B * Hkv * Sk of them): dealt out over every program, BLOCK_M at a time
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        first = (pid_bh * tl.num_programs(0) + pid_m) * BLOCK_M
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for row0 in range(first, dkv_acc_rows, programs * BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            at = rows.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :]
+            tl.store(dk_acc_ptr + at, zeros, mask=(rows < dkv_acc_rows)[:, None])
+            tl.store(dv_acc_ptr + at, zeros, mask=(rows < dkv_acc_rows)[:, None])
     b = pid_bh // Hq
     h = pid_bh % Hq
     q_start, Sq = _seq_bounds(cu_seqlens_q, b, Sq, VARLEN)
     if pid_m * BLOCK_M >= Sq:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     o = _load_rows(_head_base(o_ptr, b, h, stride_ob, stride_oh, q_start, stride_os), offs_m, stride_os, offs_d, stride_od, Sq, D,
                    True, EVEN_D)
     do = _load_rows(_head_base(do_ptr, b, h, stride_dob, stride_doh, q_start, stride_dos), offs_m, stride_dos, offs_d, stride_dod, Sq, D,

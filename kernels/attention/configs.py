@@ -378,6 +378,42 @@ HOPPER_BACKWARD_DQ: frozenset[int] = frozenset({256})
 HOPPER_DETERMINISTIC_DQ: frozenset[int] = frozenset({128})
 
 
+#: The Hopper backward with dQ by reductions (head dims 64 and 128) gives a program at most this many query heads of a
+#: GQA group; a larger group is split over several programs per key block, which add dK and dV into fp32
+#: accumulators (then cast). A program walks its heads' Q, dO and fp32 dQ rows, so the 132 programs in flight hold
+#: about 17 MB per head at D 128 whatever the length: past L2 (50 MB) the dQ reductions and the reloads go to DRAM.
+#: H200, B 4, S 2048, causal, one program per group: 8 heads read 3.5x the DRAM bytes of an ungrouped call at a 44.5%
+#: L2 hit rate (0.915x cuDNN); 4 heads 62.7% and 1.08x cuDNN.
+HOPPER_BACKWARD_GROUP_HEADS = 4
+
+
+def hopper_group_parts(group: int, block_d: int, dq_kernel: bool, d_split: bool, deterministic: bool) -> int:
+    """Programs per key block of one (batch, K/V head) in the Hopper backward: the fewest parts that divide ``group``
+    (query heads per K/V head) into at most :data:`HOPPER_BACKWARD_GROUP_HEADS` heads each; 1 where the kernel sums
+    no dK/dV (dQ by its own kernel, head dims 65-96, ``deterministic`` calls: the sums' order is the arrival's)."""
+    if dq_kernel or d_split or deterministic or block_d not in (64, 128):
+        return 1
+    return next(parts for parts in range(1, group + 1)
+                if group % parts == 0 and group // parts <= HOPPER_BACKWARD_GROUP_HEADS)
+
+
+@contextlib.contextmanager
+def hopper_group_heads(heads: int) -> Iterator[None]:
+    """Inside the block, the Hopper backward gives a program at most ``heads`` query heads of a group
+    (:data:`HOPPER_BACKWARD_GROUP_HEADS`): for tests and for tools that time one split against another."""
+    global HOPPER_BACKWARD_GROUP_HEADS
+    if type(heads) is not int or heads < 1:
+        raise ValueError(f"heads must be a positive int, got {heads!r}")
+    saved = HOPPER_BACKWARD_GROUP_HEADS
+    HOPPER_BACKWARD_GROUP_HEADS = heads
+    _hopper_tables_changed()
+    try:
+        yield
+    finally:
+        HOPPER_BACKWARD_GROUP_HEADS = saved
+        _hopper_tables_changed()
+
+
 def takes_hopper_dq_kernel(block_d: int, dropout: bool, deterministic: bool = False) -> bool:
     """Whether the Hopper backward at padded head dim ``block_d`` computes dQ with its kernel of its own (which has
     no dropout, and sums nothing in arrival order) rather than by TMA reductions."""
@@ -624,15 +660,16 @@ _HOPPER_TABLE_STATES: dict[tuple, int] = {}
 
 def _hopper_tables_changed() -> None:
     global hopper_tables_version
-    state = (HOPPER_BACKWARD_DQ, tuple(HOPPER_FORWARD.items()), tuple(HOPPER_FORWARD_SHORT.items()),
-             tuple(HOPPER_FORWARD_SHORT_CAUSAL.items()), tuple(HOPPER_DQ.items()), tuple(HOPPER_BACKWARD.items()))
+    state = (HOPPER_BACKWARD_DQ, HOPPER_BACKWARD_GROUP_HEADS, tuple(HOPPER_FORWARD.items()),
+             tuple(HOPPER_FORWARD_SHORT.items()), tuple(HOPPER_FORWARD_SHORT_CAUSAL.items()), tuple(HOPPER_DQ.items()),
+             tuple(HOPPER_BACKWARD.items()))
     hopper_tables_version = _HOPPER_TABLE_STATES.setdefault(state, len(_HOPPER_TABLE_STATES))
 
 
 #: A number for the present contents of the Hopper tables (:data:`HOPPER_FORWARD`, :data:`HOPPER_DQ`,
-#: :data:`HOPPER_BACKWARD`, :data:`HOPPER_BACKWARD_DQ`), part of an eager call's replay signature: a launch
-#: recorded under other tiles is not replayed under these. Changed by :func:`hopper_dq_kernel` and
-#: :func:`hopper_tiles`, the ways to change them.
+#: :data:`HOPPER_BACKWARD`, :data:`HOPPER_BACKWARD_DQ`, :data:`HOPPER_BACKWARD_GROUP_HEADS`), part of an eager call's
+#: replay signature: a launch recorded under other tiles is not replayed under these. Changed by
+#: :func:`hopper_dq_kernel`, :func:`hopper_group_heads` and :func:`hopper_tiles`, the ways to change them.
 hopper_tables_version = 0
 _hopper_tables_changed()
 

@@ -308,10 +308,13 @@ def _key_grid(key_blocks: int, heads: int, left: int, right: int, device: torch.
 
 
 def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right: int, scale: float,
-                       drop: tuple = _NO_DROPOUT, dq_kernel: bool = False):
-    """The Hopper backward: dK, dV written in place; dQ summed into ``dq_out`` ((B, Hq, Sq, padded D) fp32, zeroed by
-    the preprocess kernel), or with ``dq_kernel`` written into ``dq_out`` (q's shape, dtype and layout) by a
-    kernel of its own; ``drop`` as ``_dropout_args`` gives it."""
+                       drop: tuple = _NO_DROPOUT, dq_kernel: bool = False, dkv_acc: tuple | None = None,
+                       group_parts: int = 1):
+    """The Hopper backward: dK, dV written in place, or with ``group_parts`` programs per key block of a GQA group
+    (``configs.hopper_group_parts``) summed into ``dkv_acc`` (dK's and dV's fp32 accumulators, (B, Hkv, Sk, padded
+    D), zeroed by the preprocess kernel); dQ summed into ``dq_out`` ((B, Hq, Sq, padded D) fp32, zeroed by the
+    preprocess kernel), or with ``dq_kernel`` written into ``dq_out`` (q's shape, dtype and layout) by a kernel of
+    its own; ``drop`` as ``_dropout_args`` gives it."""
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
     t = configs.HOPPER_BACKWARD[bd]
@@ -336,18 +339,21 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right
             _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq_out, scale, band, band_flags)
         return
     block = (1, 1, _hopper_bwd.QUERY_ROWS, bd)
-    grid, key_major = _key_grid(cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv, left, right, q.device)
+    grid, key_major = _key_grid(cdiv(sk, _hopper_bwd.KEY_ROWS), b * hkv * group_parts, left, right, q.device)
     drop_args, drop_flags = _drop_launch_args(drop, q, False)
     dropout = drop_flags["DROPOUT"]
     regs = (t.dropout_consumer_regs, t.dropout_producer_regs) if dropout else (t.consumer_regs, t.producer_regs)
-    dk_desc = _descriptor(dk, block)
+    if dkv_acc is None:
+        dk_desc, dv_desc = _descriptor(dk, block), _descriptor(dv, block)
+    else:
+        dk_desc, dv_desc = (_descriptor(acc, dq_block) for acc in dkv_acc)
     kernel_for(_hopper_bwd._attn_bwd_hopper_kernel, traceable=False)[grid](
         _descriptor(q, block), _descriptor(k, block), _descriptor(v, block), _descriptor(do, block),
-        dk_desc, _descriptor(dv, block), dk_desc if dq_kernel else _descriptor(dq_out, dq_block),
+        dk_desc, dv_desc, dk_desc if dq_kernel else _descriptor(dq_out, dq_block),
         lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
         **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
         DQ_TURNS=t.dq_turns, WRITE_DQ=not dq_kernel, D_SPLIT=_splits_96(t, bd, d),
-        KEY_MAJOR=key_major, num_warps=4, maxnreg=t.maxnreg,
+        KEY_MAJOR=key_major, GROUP_PARTS=group_parts, num_warps=4, maxnreg=t.maxnreg,
     )
     if dq_kernel:
         _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq_out, scale, band, band_flags)
@@ -369,17 +375,22 @@ def _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq, scale: float, band: tuple
     )
 
 
-def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False, dq_acc=None):
-    """``delta = rowsum(dO * O)``; also zeroes ``dq_acc`` ((B, Hq, Sq, padded D) fp32, contiguous) when given."""
+def _launch_bwd_preprocess(o, do, delta, varlen=None, *, traceable=False, dq_acc=None, dkv_acc=None):
+    """``delta = rowsum(dO * O)``; also zeroes ``dq_acc`` ((B, Hq, Sq, padded D) fp32, contiguous) and each tensor of
+    ``dkv_acc`` (dK's and dV's: (B, Hkv, Sk, padded D) fp32, contiguous) when given."""
     b, hq, _, sq, _, d = _dims(o, o, varlen)
     block_d = configs.block_d(d)
     block_m = configs.preprocess_block_m(block_d)
     cu_q, _, stride_lb, stride_lh = _seq_args(delta, varlen, traceable)
     zero_acc = dq_acc is not None
+    unused = unused_pointer(delta, traceable)
+    dk_acc, dv_acc = (unused, unused) if dkv_acc is None else dkv_acc
     kernel_for(_attn_bwd_preprocess_kernel, traceable=traceable)[(cdiv(sq, block_m), b * hq)](
-        o, do, delta, dq_acc if zero_acc else unused_pointer(delta, traceable), cu_q, stride_lb, stride_lh,
+        o, do, delta, dq_acc if zero_acc else unused, dk_acc, dv_acc,
+        0 if dkv_acc is None else dkv_acc[0].numel() // block_d, cu_q, stride_lb, stride_lh,
         *_strides(o), *_strides(do), hq, sq, d,
         BLOCK_M=block_m, BLOCK_D=block_d, EVEN_D=d == block_d, VARLEN=varlen is not None, ZERO_DQ_ACC=zero_acc,
+        ZERO_DKV_ACC=dkv_acc is not None,
     )
 
 
@@ -591,18 +602,28 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
     signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, do.stride(),
                                  o.stride(), deterministic)
     if not traceable and _hopper_backward_choice(signature, q, k, v, do, dropout_p, varlen, deterministic):
-        dq_kernel = configs.takes_hopper_dq_kernel(configs.block_d(d), dropout_p > 0, deterministic)
+        bd = configs.block_d(d)
+        dq_kernel = configs.takes_hopper_dq_kernel(bd, dropout_p > 0, deterministic)
         # dQ itself when a kernel of its own writes it, else the fp32 accumulator the reductions add into
         dq_out = (_empty_output(q) if dq_kernel else
-                  torch.empty((b, q.shape[1], q.shape[2], configs.block_d(d)), device=q.device, dtype=torch.float32))
+                  torch.empty((b, q.shape[1], q.shape[2], bd), device=q.device, dtype=torch.float32))
+        group_parts = configs.hopper_group_parts(q.shape[1] // k.shape[1], bd, dq_kernel,
+                                                 _splits_96(configs.HOPPER_BACKWARD[bd], bd, d), deterministic)
+        # a group split over programs sums dK and dV in fp32 accumulators, cast below
+        dkv_acc = None if group_parts == 1 else tuple(
+            torch.empty((b, k.shape[1], k.shape[2], bd), device=q.device, dtype=torch.float32) for _ in range(2))
         # replayed like the portable launches: the TMA arguments are made again over the call's own tensors
         if signature is not None:
-            signature = (signature, "hopper-dq" if dq_kernel else "hopper")
+            signature = (signature, "hopper-dq" if dq_kernel else "hopper", group_parts)
         launch_or_replay(_BACKWARD_CALLS, signature,
-                         (do, q, k, v, o, lse, delta, dq_out, dk, dv, _seed_tensor(seed), *_cu_tensors(varlen)),
+                         (do, q, k, v, o, lse, delta, dq_out, dk, dv, _seed_tensor(seed), *_cu_tensors(varlen),
+                          *(dkv_acc or ())),
                          lambda: _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right, scale,
-                                                      dropout_p, seed, dq_kernel),
+                                                      dropout_p, seed, dq_kernel, dkv_acc, group_parts),
                          _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
+        if dkv_acc is not None:
+            dk.copy_(dkv_acc[0][..., :d])
+            dv.copy_(dkv_acc[1][..., :d])
         if dq_kernel:
             return dq_out, dk, dv
         # the cast out of the padded accumulator writes dQ in q's layout
@@ -637,12 +658,13 @@ def _hopper_backward_choice(signature, q, k, v, do, dropout_p: float, varlen, de
 
 
 def _bwd_hopper_launches(do, q, k, v, o, lse, delta, dq_out, dk, dv, left, right, scale, dropout_p, seed,
-                         dq_kernel: bool) -> None:
+                         dq_kernel: bool, dkv_acc: tuple | None = None, group_parts: int = 1) -> None:
     """The Hopper backward: ``delta``, then the Gluon kernels. ``dq_out`` is dQ when ``dq_kernel`` (a kernel of its
-    own writes it after the dK/dV kernel), else the fp32 accumulator, zeroed with ``delta``."""
-    _launch_bwd_preprocess(o, do, delta, dq_acc=None if dq_kernel else dq_out)
+    own writes it after the dK/dV kernel), else the fp32 accumulator, zeroed with ``delta``, as ``dkv_acc`` (dK's
+    and dV's, where ``group_parts`` programs share a GQA group's keys)."""
+    _launch_bwd_preprocess(o, do, delta, dq_acc=None if dq_kernel else dq_out, dkv_acc=dkv_acc)
     _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left, right, scale, _dropout_args(dropout_p, seed),
-                       dq_kernel)
+                       dq_kernel, dkv_acc, group_parts)
 
 
 def _bwd_launches(do, q, k, v, o, lse, delta, dq, dk, dv, left, right, scale, dropout_p, seed, varlen,
@@ -955,8 +977,9 @@ def _native_attention_program(q, k, v, plan: _AttentionPlan, needs_grad: bool, v
     layout, with their recorded launches observed; None when either has none the extension can replay. The
     forward's tensors (``_fwd_impl``): q, k, v, o, lse, the device seed, the cumulative lengths; the backward's
     (``_bwd_impl``): dO, q, k, v, o, lse, delta, dQ (or the fp32 accumulator a copy then casts into dQ), dK, dV, the
-    device seed, the cumulative lengths. A packed call's inputs are q, k, v and its two cumulative lengths, which
-    the forward saves for the backward."""
+    device seed, the cumulative lengths, and where a GQA group is split over programs dK's and dV's fp32
+    accumulators (copies cast them into dK and dV). A packed call's inputs are q, k, v and its two cumulative
+    lengths, which the forward saves for the backward."""
     native = native_module()
     left, right, scale, dropout_p = plan.left, plan.right, plan.scale, plan.dropout_p
     with observed_calls() as seen:
@@ -985,19 +1008,25 @@ def _native_attention_program(q, k, v, plan: _AttentionPlan, needs_grad: bool, v
     launches = None if found is None else native_launches(found[0], found[1], native)
     if launches is None:
         return None
-    _, _, _, _, _, recorded_lse, delta, dq_out, recorded_dk, recorded_dv, *_ = found[1]
+    _, _, _, _, _, recorded_lse, delta, dq_out, recorded_dk, recorded_dv, _, _, _, *dkv_acc = found[1]
     if recorded_lse is not lse or recorded_dk is not dk or recorded_dv is not dv:
         return None
     bwd = Refs(native)
     dq_ref = bwd.like(dq_out)
-    dk_ref, dv_ref = bwd.like(dk), bwd.like(dv)
     saved_cu = [bwd.none(), bwd.none()] if varlen is None else [bwd.of("SAVED", 5), bwd.of("SAVED", 6)]
+    if dkv_acc:  # a GQA group split over programs: dK and dV summed in fp32 accumulators, then cast
+        acc_refs = [bwd.like(acc) for acc in dkv_acc]
+        dk_ref, dv_ref = bwd.none(), bwd.none()
+        dk_grad, dv_grad = bwd.copy(acc_refs[0], dk), bwd.copy(acc_refs[1], dv)
+    else:
+        acc_refs = []
+        dk_ref, dv_ref = dk_grad, dv_grad = bwd.like(dk), bwd.like(dv)
     program.set_backward(
         launches=launches, allocs=bwd.allocs, fixed=bwd.fixed,
         tensors=Refs.flat([bwd.of("GRAD", 0), *(bwd.of("SAVED", i) for i in range(5)), bwd.like(delta), dq_ref,
-                           dk_ref, dv_ref, bwd.none(), *saved_cu]),
+                           dk_ref, dv_ref, bwd.none(), *saved_cu, *acc_refs]),
         grad_layouts=[native_layout(do.shape, do.dtype, do.stride()), UNREAD],
-        input_grads=Refs.flat([dq_ref if dq is dq_out else bwd.copy(dq_ref, dq), dk_ref, dv_ref,
+        input_grads=Refs.flat([dq_ref if dq is dq_out else bwd.copy(dq_ref, dq), dk_grad, dv_grad,
                                *([bwd.none(), bwd.none()] if varlen is not None else [])]),
         copies=bwd.copies)
     return program
