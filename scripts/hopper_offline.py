@@ -1,6 +1,7 @@
 """Compile the Hopper (sm_90) attention kernels on a machine without a GPU and report what ptxas makes of them.
 
     python3 -m scripts.hopper_offline [--dims 64,128] [--kernels fwd,bwd,decode] [--causal] [--dropout] [--sass]
+        [--group-heads N]
 
 The Gluon kernels do not run in the Triton interpreter, so a change to them is otherwise first seen on a GPU. This
 tool compiles them for sm_90a through the public launch path (``kernels.attention.ops``), with a stand-in driver
@@ -91,10 +92,12 @@ def ptxas_report(ptx: str) -> str:
                      if re.search("spill|registers", line))
 
 
-def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout: bool) -> list[tuple]:
+def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout: bool,
+                      group_heads: int | None = None) -> list[tuple]:
     """``(kernel name, label, grid, seconds, compiled kernel)`` for each launch of the Hopper forward (``fwd``) and
     backward (``bwd``) at each head dim, on a small bf16 call (B 2, Hq 8, Hkv 2, S 512), and of the decode kernel
-    (``decode``) on a bf16 and an FP8 cache."""
+    (``decode``) on a bf16 and an FP8 cache; ``group_heads``: the backward's query heads per program
+    (``configs.hopper_group_heads``: below 4, the group is split over programs)."""
     triton.runtime.driver.set_active(_NoGpuDriver())
     import kernels.attention.kvcache as kvcache
     import kernels.attention.ops as ops
@@ -119,8 +122,11 @@ def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout
             dq_kernel = configs.takes_hopper_dq_kernel(bd, dropout)
             dq_out = torch.zeros_like(q) if dq_kernel else torch.zeros(b, hq, s, bd)
             drop = ops._dropout_args(0.2, 5) if dropout else ops._NO_DROPOUT
+            with configs.hopper_group_heads(group_heads or configs.HOPPER_BACKWARD_GROUP_HEADS):
+                parts = configs.hopper_group_parts(hq // hkv, bd, dq_kernel, False, False)
+            acc = None if parts == 1 else tuple(torch.zeros(b, hkv, s, bd) for _ in range(2))
             ops._launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, torch.zeros_like(k), torch.zeros_like(v), left,
-                                   right, 0.1, drop, dq_kernel)
+                                   right, 0.1, drop, dq_kernel, acc, parts)
         if "decode" in kernels:
             for cache in (torch.bfloat16, torch.float8_e4m3fn):
                 queries = torch.zeros(16, 32, 1, d, dtype=torch.bfloat16)
@@ -142,9 +148,10 @@ def main(argv=None) -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dropout", action="store_true", help="the backward with dropout (p 0.2)")
     parser.add_argument("--sass", action="store_true", help="also each kernel's most frequent SASS instructions")
+    parser.add_argument("--group-heads", type=int, help="the backward's query heads per program (group split)")
     args = parser.parse_args(argv)
     rows = compile_attention(args.kernels.split(","), [int(d) for d in args.dims.split(",")], args.causal,
-                             args.dropout)
+                             args.dropout, args.group_heads)
     for name, label, grid, seconds, kernel in rows:
         print(f"{name} {label} grid {grid} ({seconds:.1f} s): {ptxas_report(kernel.asm['ptx'])}")
         if args.sass:

@@ -99,14 +99,17 @@ def test_sweep_attention_decode_plan_changes_set_the_fields_they_name():
     assert sweep_attention._decode_plan_change("balanced=1")(table).balanced is True
 
 
-def test_hopper_offline_compiles_the_gluon_kernels_without_a_gpu():
+@pytest.mark.parametrize("split", [[], ["--group-heads", "1"]], ids=["whole-groups", "split-groups"])
+def test_hopper_offline_compiles_the_gluon_kernels_without_a_gpu(split):
     """``scripts.hopper_offline`` compiles the Hopper forward and backward for sm_90 with a stand-in driver and
     reports ptxas's registers and spill bytes for each, in a process of its own (the Gluon kernels do not run
-    under the interpreter, which this suite may have on)."""
+    under the interpreter, which this suite may have on); the backward with whole GQA groups per program and with
+    each group split over programs."""
     unset = ("PYTHONPATH", "TRITON_INTERPRET", "FUSED_KERNELS_TEST_MODE")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     done = subprocess.run([sys.executable, "-m", "scripts.hopper_offline", "--dims", "64", "--causal", "--kernels",
-                           "fwd,bwd,decode", "--sass"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                           "fwd,bwd,decode", "--sass", *split], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     kernels, histograms = lines[0::2], lines[1::2]

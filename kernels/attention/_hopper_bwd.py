@@ -484,7 +484,7 @@ def _attn_bwd_hopper_kernel(
     WRITE_DQ: gl.constexpr = True,
     D_SPLIT: gl.constexpr = False,  # head dims 65-96 in 128-column tiles: products over 64 + 32 columns
     KEY_MAJOR: gl.constexpr = False,  # the grid's order (``_key_program``)
-    GROUP_PARTS: gl.constexpr = 1,  # programs per key block of a (batch, K/V head), each walking GROUP / parts heads
+    GROUP_PARTS: gl.constexpr = 1,  # programs per key block of a (batch, K/V head), each walking a part of its group
 ):
     # with dropout the producer is a warpgroup: it draws the keep masks too
     PRODUCER_WARPS: gl.constexpr = 4 if DROPOUT else 1
@@ -492,8 +492,11 @@ def _attn_bwd_hopper_kernel(
     # the parts of one (batch, K/V head) side by side in the grid: their K/V tiles and accumulators stay in L2
     b, group_part, n0 = _key_program(Hkv * GROUP_PARTS, BLOCK_N, KEY_MAJOR)
     hk = group_part // GROUP_PARTS
-    heads = GROUP // GROUP_PARTS
-    first_head = hk * GROUP + (group_part % GROUP_PARTS) * heads
+    # parts of cdiv(GROUP, GROUP_PARTS) heads, the last one the rest (a group of 7 in two: 4 + 3)
+    part_heads = gl.cdiv(GROUP, GROUP_PARTS)
+    part_first = (group_part % GROUP_PARTS) * part_heads
+    heads = gl.minimum(part_heads, GROUP - part_first)
+    first_head = hk * GROUP + part_first
     REDUCE_DKDV: gl.constexpr = GROUP_PARTS > 1
     gl.static_assert(not REDUCE_DKDV or (WRITE_DQ and not D_SPLIT), "group parts: with dQ, head dims 64 and 128")
     scale = scale.to(gl.float32)

@@ -388,13 +388,13 @@ HOPPER_BACKWARD_GROUP_HEADS = 4
 
 
 def hopper_group_parts(group: int, block_d: int, dq_kernel: bool, d_split: bool, deterministic: bool) -> int:
-    """Programs per key block of one (batch, K/V head) in the Hopper backward: the fewest parts that divide ``group``
-    (query heads per K/V head) into at most :data:`HOPPER_BACKWARD_GROUP_HEADS` heads each; 1 where the kernel sums
-    no dK/dV (dQ by its own kernel, head dims 65-96, ``deterministic`` calls: the sums' order is the arrival's)."""
+    """Programs per key block of one (batch, K/V head) in the Hopper backward: the fewest parts of ``group`` (query
+    heads per K/V head) with at most :data:`HOPPER_BACKWARD_GROUP_HEADS` heads each (parts of ``cdiv(group, parts)``
+    heads, the last one the rest); 1 where the kernel sums no dK/dV (dQ by its own kernel, head dims 65-96,
+    ``deterministic`` calls: the sums' order is the arrival's)."""
     if dq_kernel or d_split or deterministic or block_d not in (64, 128):
         return 1
-    return next(parts for parts in range(1, group + 1)
-                if group % parts == 0 and group // parts <= HOPPER_BACKWARD_GROUP_HEADS)
+    return cdiv(group, HOPPER_BACKWARD_GROUP_HEADS)
 
 
 @contextlib.contextmanager
