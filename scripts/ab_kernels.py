@@ -21,7 +21,7 @@ block and ring depth at padded head dim D, and other fields of its tile by name 
 ``--group-heads N`` a variant whose Hopper backward gives a program at most N query heads of a GQA group
 (``configs.hopper_group_heads``: a larger group is split over programs that sum dK and dV in fp32);
 ``--path P`` a variant on kernel path P; ``--peer B`` times SDPA on backend B beside them (forward, or forward +
-backward with ``--backward``), so that a ratio to it comes from the same rounds.
+backward with ``--backward``, or the backward alone), so that a ratio to it comes from the same rounds.
 Variants alternate within each round (``benchmarks._harness.interleaved_medians``: run-to-run drift on one GPU is
 10-17%, a side by side difference is not). Each variant's outputs must match the first's (``--no-check`` skips
 that, for a baseline that draws another dropout mask; ``--dropout`` adds dropout on the attention probabilities).
@@ -136,10 +136,22 @@ def _timed(variants, run, rounds: int, label: str, check_outputs: bool = True,
 
 def _sdpa_peers(args, q, k, v, do, causal: bool) -> dict[str, Callable[[], object]]:
     """``--peer`` runs: SDPA on each named backend, the same call as the variants' (forward, or forward + backward
-    with ``--backward``; a GQA call repeats K and V's heads in the timed call, as a user of SDPA would)."""
+    with ``--backward``; a GQA call repeats K and V's heads in the timed call, as a user of SDPA would; with
+    ``--backward-only``, the backward of one recorded forward that takes the groups natively, ``enable_gqa``)."""
     from benchmarks._peers import sdpa_attention
 
     group = q.shape[1] // k.shape[1]
+    if args.backward_only:
+        runs = {}
+        for backend in args.peer:
+            qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+            try:
+                out = sdpa_attention(f"sdpa-{backend}", causal, args.dropout, enable_gqa=group > 1)(qg, kg, vg)
+            except RuntimeError as err:  # a backend that refuses these inputs
+                print(f"  sdpa-{backend}: {str(err).splitlines()[0][:100]}")
+                continue
+            runs[f"sdpa-{backend}"] = functools.partial(torch.autograd.grad, out, (qg, kg, vg), do, retain_graph=True)
+        return runs
     qg, kg, vg = (t.clone().requires_grad_(args.backward) for t in (q, k, v))
 
     def call(attention):
@@ -184,7 +196,7 @@ def _attention(args, variants) -> None:
                     run = lambda: (flash_attention(q, k, v, causal=causal, **drop),)
                 size = f"B{b} H{h}/{hkv} Sq{sq} Sk{sk}" if args.shape else f"S={sq}"
                 label = f"D={d} {size} {'causal' if causal else 'full'}"
-                peers = {} if args.backward_only else _sdpa_peers(args, q, k, v, do, causal)
+                peers = _sdpa_peers(args, q, k, v, do, causal)
                 medians = _timed(variants, run, args.rounds, label, not args.no_check, peers)
                 _print(label, medians, {name: flops / ms / 1e9 for name, ms in medians.items()}, "TFLOP/s")
 

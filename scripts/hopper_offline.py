@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import subprocess
@@ -97,7 +98,7 @@ def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout
     """``(kernel name, label, grid, seconds, compiled kernel)`` for each launch of the Hopper forward (``fwd``) and
     backward (``bwd``) at each head dim, on a small bf16 call (B 2, Hq 8, Hkv 2, S 512), and of the decode kernel
     (``decode``) on a bf16 and an FP8 cache; ``group_heads``: the backward's query heads per program
-    (``configs.hopper_group_heads``: below 4, the group is split over programs)."""
+    (``configs.hopper_group_heads``; default: the launch tables' choice)."""
     triton.runtime.driver.set_active(_NoGpuDriver())
     import kernels.attention.kvcache as kvcache
     import kernels.attention.ops as ops
@@ -122,8 +123,8 @@ def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout
             dq_kernel = configs.takes_hopper_dq_kernel(bd, dropout)
             dq_out = torch.zeros_like(q) if dq_kernel else torch.zeros(b, hq, s, bd)
             drop = ops._dropout_args(0.2, 5) if dropout else ops._NO_DROPOUT
-            with configs.hopper_group_heads(group_heads or configs.HOPPER_BACKWARD_GROUP_HEADS):
-                parts = configs.hopper_group_parts(hq // hkv, bd, dq_kernel, False, False)
+            with configs.hopper_group_heads(group_heads) if group_heads else contextlib.nullcontext():
+                parts = configs.hopper_group_parts(hq // hkv, bd, dq_kernel, False, False, left, right)
             acc = None if parts == 1 else tuple(torch.zeros(b, hkv, s, bd) for _ in range(2))
             ops._launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, torch.zeros_like(k), torch.zeros_like(v), left,
                                    right, 0.1, drop, dq_kernel, acc, parts)

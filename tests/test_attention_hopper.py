@@ -611,7 +611,7 @@ def test_a_group_split_over_programs_gives_the_unsplit_backwards_gradients(case,
     with configs.forced_path("hopper"):
         assert ops.uses_hopper_backward(q, k, v, do, p)
         with configs.hopper_group_heads(heads):
-            parts = configs.hopper_group_parts(hq // hkv, bd, False, False, False)
+            parts = configs.hopper_group_parts(hq // hkv, bd, False, False, False, -1, 0 if causal else -1)
             split = _grads(lambda a, b_, c: flash_attention(a, b_, c, **kw), q, k, v, do)
         with configs.hopper_group_heads(hq // hkv):
             whole = _grads(lambda a, b_, c: flash_attention(a, b_, c, **kw), q, k, v, do)
@@ -627,24 +627,32 @@ def test_a_group_split_over_programs_gives_the_unsplit_backwards_gradients(case,
 
 def test_hopper_group_parts_split_a_group_into_the_fewest_parts_of_at_most_the_set_heads():
     """The fewest parts of at most ``HOPPER_BACKWARD_GROUP_HEADS`` heads; the parts need not divide the group (the
-    kernel gives each ``cdiv(group, parts)`` heads and the last the rest)."""
+    kernel gives each ``cdiv(group, parts)`` heads and the last the rest). The table's own rule: causal calls split,
+    others keep the whole group."""
+    causal, full, window = (-1, 0), (-1, -1), (64, 0)
+
+    def parts(group, block_d=128, dq_kernel=False, d_split=False, deterministic=False, band=causal):
+        return configs.hopper_group_parts(group, block_d, dq_kernel, d_split, deterministic, *band)
+
     with configs.hopper_group_heads(4):
-        assert [configs.hopper_group_parts(g, 128, False, False, False) for g in (1, 2, 4, 5, 6, 7, 8, 16)] == \
-            [1, 1, 1, 2, 2, 2, 2, 4]
-        assert configs.hopper_group_parts(8, 64, False, False, False) == 2
+        assert [parts(g) for g in (1, 2, 4, 5, 6, 7, 8, 16)] == [1, 1, 1, 2, 2, 2, 2, 4]
+        assert parts(8, band=full) == parts(8, block_d=64) == 2
         # no split where nothing sums dK and dV: the dQ kernel, head dims 65-96 and 256, deterministic calls
-        assert configs.hopper_group_parts(8, 128, True, False, False) == 1
-        assert configs.hopper_group_parts(8, 128, False, True, False) == 1
-        assert configs.hopper_group_parts(8, 256, False, False, False) == 1
-        assert configs.hopper_group_parts(8, 128, False, False, True) == 1
+        assert parts(8, dq_kernel=True) == parts(8, d_split=True) == parts(8, block_d=256) == 1
+        assert parts(8, deterministic=True) == 1
     with configs.hopper_group_heads(1):
-        assert configs.hopper_group_parts(6, 64, False, False, False) == 6
+        assert parts(6, block_d=64) == 6
+    heads = configs.HOPPER_BACKWARD_GROUP_HEADS
+    for group in (2, 4, 7, 8):
+        assert parts(group) == (1 if heads["causal"] is None else -(-group // heads["causal"]))
+        for band in (full, window):  # a window bounds both sides: the "full" entry
+            assert parts(group, band=band) == (1 if heads["full"] is None else -(-group // heads["full"]))
 
 
 def test_hopper_group_heads_is_checked_restored_and_changes_the_replay_signature():
-    before, version = configs.HOPPER_BACKWARD_GROUP_HEADS, configs.hopper_tables_version
-    with configs.hopper_group_heads(before + 1):
-        assert before + 1 == configs.HOPPER_BACKWARD_GROUP_HEADS
+    before, version = dict(configs.HOPPER_BACKWARD_GROUP_HEADS), configs.hopper_tables_version
+    with configs.hopper_group_heads(3):
+        assert configs.HOPPER_BACKWARD_GROUP_HEADS == {"causal": 3, "full": 3}
         assert configs.hopper_tables_version != version  # a launch recorded under another split is not replayed
     assert (configs.HOPPER_BACKWARD_GROUP_HEADS, configs.hopper_tables_version) == (before, version)
     for bad in (0, -2, 1.5, True):

@@ -66,17 +66,17 @@ def test_ab_kernels_variants_set_what_they_name_and_restore_it():
     args = argparse.Namespace(family="attention", baseline="-", hopper_dq=None, path=["portable"], hopper_tile=tiles,
                               tile=[], group_heads=[1])
     before = (configs.path(), configs.HOPPER_BACKWARD[128], configs.HOPPER_FORWARD[64], configs.hopper_tables_version,
-              configs.HOPPER_BACKWARD_GROUP_HEADS)
+              dict(configs.HOPPER_BACKWARD_GROUP_HEADS))
     seen = {}
     for name, variant in ab_kernels._variants(args).items():
         with variant():
             seen[name] = (configs.path(), configs.HOPPER_BACKWARD[128].split_96, configs.HOPPER_FORWARD[64].persistent,
-                          configs.HOPPER_BACKWARD_GROUP_HEADS)
+                          dict(configs.HOPPER_BACKWARD_GROUP_HEADS))
     heads = before[4]
     assert seen == {
         "this": (before[0], True, False, heads),
         "path:portable": ("portable", True, False, heads),
-        "group-heads:1": (before[0], True, False, 1),
+        "group-heads:1": (before[0], True, False, {"causal": 1, "full": 1}),
         "bwd:128:128,2,split_96=0": (before[0], False, False, heads),
         "fwd:64:128,2,persistent=1,path=hopper": ("hopper", True, True, heads),
     }
@@ -99,7 +99,8 @@ def test_sweep_attention_decode_plan_changes_set_the_fields_they_name():
     assert sweep_attention._decode_plan_change("balanced=1")(table).balanced is True
 
 
-@pytest.mark.parametrize("split", [[], ["--group-heads", "1"]], ids=["whole-groups", "split-groups"])
+@pytest.mark.parametrize("split", [["--group-heads", "8"], ["--group-heads", "1"]],
+                         ids=["whole-groups", "split-groups"])
 def test_hopper_offline_compiles_the_gluon_kernels_without_a_gpu(split):
     """``scripts.hopper_offline`` compiles the Hopper forward and backward for sm_90 with a stand-in driver and
     reports ptxas's registers and spill bytes for each, in a process of its own (the Gluon kernels do not run

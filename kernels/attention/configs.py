@@ -379,33 +379,36 @@ HOPPER_DETERMINISTIC_DQ: frozenset[int] = frozenset({128})
 
 
 #: The Hopper backward with dQ by reductions (head dims 64 and 128) gives a program at most this many query heads of a
-#: GQA group; a larger group is split over several programs per key block, which add dK and dV into fp32
-#: accumulators (then cast). A program walks its heads' Q, dO and fp32 dQ rows, so the 132 programs in flight hold
-#: about 17 MB per head at D 128 whatever the length: past L2 (50 MB) the dQ reductions and the reloads go to DRAM.
-#: H200, B 4, S 2048, causal, one program per group: 8 heads read 3.5x the DRAM bytes of an ungrouped call at a 44.5%
-#: L2 hit rate (0.915x cuDNN); 4 heads 62.7% and 1.08x cuDNN.
-HOPPER_BACKWARD_GROUP_HEADS = 4
+#: GQA group, for causal calls (a bounded right side, an unbounded left) and for the others ("full"; None: the whole
+#: group); a larger group is split over several programs per key block, which add dK and dV into fp32 accumulators
+#: (then cast). A program walks its heads' Q, dO and fp32 dQ rows, so the 132 programs in flight hold about 17 MB per
+#: head at D 128 whatever the length: past L2 (50 MB) the dQ reductions and the reloads go to DRAM. H200, bf16, D 128,
+#: backward against the whole group per program: causal 2 heads 1.02-1.10x at groups 4, 7 and 8 (4 heads 0.94-1.09x);
+#: full 0.97-0.99x at every group, where the accumulators' reductions cost more than the reloads they save.
+HOPPER_BACKWARD_GROUP_HEADS: dict[str, int | None] = {"causal": 2, "full": None}
 
 
-def hopper_group_parts(group: int, block_d: int, dq_kernel: bool, d_split: bool, deterministic: bool) -> int:
-    """Programs per key block of one (batch, K/V head) in the Hopper backward: the fewest parts of ``group`` (query
-    heads per K/V head) with at most :data:`HOPPER_BACKWARD_GROUP_HEADS` heads each (parts of ``cdiv(group, parts)``
-    heads, the last one the rest); 1 where the kernel sums no dK/dV (dQ by its own kernel, head dims 65-96,
-    ``deterministic`` calls: the sums' order is the arrival's)."""
-    if dq_kernel or d_split or deterministic or block_d not in (64, 128):
+def hopper_group_parts(group: int, block_d: int, dq_kernel: bool, d_split: bool, deterministic: bool, left: int,
+                       right: int) -> int:
+    """Programs per key block of one (batch, K/V head) in the Hopper backward with band ``(left, right)``: the fewest
+    parts of ``group`` (query heads per K/V head) with at most :data:`HOPPER_BACKWARD_GROUP_HEADS` heads each (parts
+    of ``cdiv(group, parts)`` heads, the last one the rest); 1 where the kernel sums no dK/dV (dQ by its own kernel,
+    head dims 65-96, ``deterministic`` calls: the sums' order is the arrival's)."""
+    heads = HOPPER_BACKWARD_GROUP_HEADS["causal" if right >= 0 and left < 0 else "full"]
+    if heads is None or dq_kernel or d_split or deterministic or block_d not in (64, 128):
         return 1
-    return cdiv(group, HOPPER_BACKWARD_GROUP_HEADS)
+    return cdiv(group, heads)
 
 
 @contextlib.contextmanager
 def hopper_group_heads(heads: int) -> Iterator[None]:
-    """Inside the block, the Hopper backward gives a program at most ``heads`` query heads of a group
+    """Inside the block, the Hopper backward gives a program at most ``heads`` query heads of a group, causal or not
     (:data:`HOPPER_BACKWARD_GROUP_HEADS`): for tests and for tools that time one split against another."""
     global HOPPER_BACKWARD_GROUP_HEADS
     if type(heads) is not int or heads < 1:
         raise ValueError(f"heads must be a positive int, got {heads!r}")
     saved = HOPPER_BACKWARD_GROUP_HEADS
-    HOPPER_BACKWARD_GROUP_HEADS = heads
+    HOPPER_BACKWARD_GROUP_HEADS = {"causal": heads, "full": heads}
     _hopper_tables_changed()
     try:
         yield
@@ -660,7 +663,7 @@ _HOPPER_TABLE_STATES: dict[tuple, int] = {}
 
 def _hopper_tables_changed() -> None:
     global hopper_tables_version
-    state = (HOPPER_BACKWARD_DQ, HOPPER_BACKWARD_GROUP_HEADS, tuple(HOPPER_FORWARD.items()),
+    state = (HOPPER_BACKWARD_DQ, tuple(HOPPER_BACKWARD_GROUP_HEADS.items()), tuple(HOPPER_FORWARD.items()),
              tuple(HOPPER_FORWARD_SHORT.items()), tuple(HOPPER_FORWARD_SHORT_CAUSAL.items()), tuple(HOPPER_DQ.items()),
              tuple(HOPPER_BACKWARD.items()))
     hopper_tables_version = _HOPPER_TABLE_STATES.setdefault(state, len(_HOPPER_TABLE_STATES))

@@ -608,7 +608,8 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
         dq_out = (_empty_output(q) if dq_kernel else
                   torch.empty((b, q.shape[1], q.shape[2], bd), device=q.device, dtype=torch.float32))
         group_parts = configs.hopper_group_parts(q.shape[1] // k.shape[1], bd, dq_kernel,
-                                                 _splits_96(configs.HOPPER_BACKWARD[bd], bd, d), deterministic)
+                                                 _splits_96(configs.HOPPER_BACKWARD[bd], bd, d), deterministic, left,
+                                                 right)
         # a group split over programs sums dK and dV in fp32 accumulators, cast below
         dkv_acc = None if group_parts == 1 else tuple(
             torch.empty((b, k.shape[1], k.shape[2], bd), device=q.device, dtype=torch.float32) for _ in range(2))
