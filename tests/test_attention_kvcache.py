@@ -8,10 +8,13 @@ import contextlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import reference.attention as twin
 from kernels._mode import DEVICE, FLOAT_DTYPES, INTERPRETER, by_mode
 from kernels.attention import configs, flash_attention_with_kvcache
+from kernels.attention._decode import _fp16_queries
 from tests._caches import kvcache_calls, paged_cache
 from tests._numerics import assert_no_worse_than_torch
 
@@ -504,3 +507,47 @@ def test_a_stored_plan_leaves_no_argument_unchecked():
         with torch.no_grad():
             assert torch.equal(flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, softmax_scale=1),
                                expected)
+
+
+@triton.jit
+def _fp16_queries_kernel(q_ptr, out_ptr, scale_ptr, scale_log2):
+    offs = tl.arange(0, 16)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    q16, scale_out = _fp16_queries(tl.load(q_ptr + offs), tl.cast(scale_log2, tl.float32))
+    tl.store(out_ptr + offs, q16)
+    tl.store(scale_ptr, scale_out)
+
+
+def _fp16_queries_of(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """``_decode._fp16_queries`` run by a one-program kernel on a (16, 64) bf16 tile."""
+    out = torch.empty(16, 64, dtype=torch.float16, device=DEVICE)
+    scale_out = torch.empty(1, dtype=torch.float32, device=DEVICE)
+    _fp16_queries_kernel[(1,)](q, out, scale_out, scale)
+    return out, scale_out.item()
+
+
+@pytest.mark.parametrize("largest", [3.0, 1e-3, 6e6, 0.0])
+def test_bf16_queries_against_an_fp8_cache_go_to_fp16_exactly_scaled_by_a_power_of_two(largest):
+    """bf16 queries against an FP8 cache are taken to fp16 (so that FP8 tiles widen to fp16 in one conversion per
+    pair): times a power of two that puts their largest element in [2^14, 2^15), the scores' scale divided by it.
+    Every bf16 element within 2^-29 of the largest comes back exactly (smaller ones are fp16 subnormals there)."""
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(16, 64, generator=g) * largest / 4).clamp(-largest, largest)
+    q[0, 0] = largest
+    q = q.to(torch.bfloat16).to(DEVICE)
+    q16, scale = _fp16_queries_of(q, 0.125)
+    power = 0.125 / scale
+    assert power == 2.0 ** round(torch.tensor(power).log2().item())
+    if largest == 0.0:
+        assert torch.equal(q16, torch.zeros_like(q16))
+        return
+    top = q.float().abs().max().item()
+    assert 2.0 ** 14 <= top * power < 2.0 ** 15
+    kept = q.float().abs() >= top * 2.0 ** -29
+    assert torch.equal((q16.float() / power)[kept], q.float()[kept])
+
+
+def test_bf16_queries_with_a_nan_or_an_infinity_keep_it_in_fp16():
+    q = torch.ones(16, 64, dtype=torch.bfloat16, device=DEVICE)
+    q[3, 5], q[7, 1] = float("nan"), float("inf")
+    q16, _ = _fp16_queries_of(q, 0.125)
+    assert torch.isnan(q16[3, 5]) and torch.isinf(q16[7, 1])

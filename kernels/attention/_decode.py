@@ -26,10 +26,11 @@ the page numbers are loads the K/V loads depend on, so a paged launch runs two p
 
 Balanced splits (``BALANCED``, off by default): one split size over the whole batch's keys (``_balanced_split``).
 
-FP8 caches: tiles are widened to q's dtype before their products; the K scale multiplies the softmax scale and the V
-scale the normalised output, per key/value head (a float argument, or read from memory). The widening and the
-products, not memory, bound an FP8 step (~2.3e12 cache elements/s on H100 and H200), so its launch aims at two
-programs per SM, as a paged one does.
+FP8 caches: tiles are widened to q's dtype before their products, to fp16 where q is bf16 (``_fp16_queries``: one
+conversion per pair of elements, where widening to bf16 is a chain of them); the K scale multiplies the softmax scale
+and the V scale the normalised output, per key/value head (a float argument, or read from memory). The widening and
+the products, not memory, bound an FP8 step with bf16 tiles (~2.3e12 cache elements/s on H100 and H200), so its
+launch aims at two programs per SM, as a paged one does.
 
 Limits: forward only, any head dim of the family (padded to a power of two), fp16/bf16/fp32 and float8_e4m3fn
 caches; ``cache_seqlens[b] + Sq_new`` is clamped to [0, capacity] on the device, block-table entries are not checked.
@@ -151,6 +152,20 @@ def _kvcache_append_kernel(
 
 
 @triton.jit
+def _fp16_queries(q, scale_log2):
+    """bf16 queries against an FP8 cache as fp16, times the power of two that puts their largest element just below
+    2^15, and the scores' scale divided by it: FP8 tiles then widen to fp16, one conversion per pair of elements,
+    where widening to bf16 is a chain of conversions that bounded the step. Exact but for elements under 2^-29 of the
+    largest (fp16 subnormals); maxima under 2^-112 are scaled by 2^127 only (the power stays a finite fp32); a NaN
+    or infinity stays one."""
+    largest = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+    exponent = (largest.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased: largest < 2^(exponent - 126)
+    # 2^(141 - exponent) as fp32 bits, kept a finite normal number for zeros and tiny maxima
+    power = (tl.minimum(268 - exponent, 254) << 23).to(tl.float32, bitcast=True)
+    return (q.to(tl.float32) * power).to(tl.float16), scale_log2 / power
+
+
+@triton.jit
 def _kvcache_attn_inner(
     acc, m_i, l_i, q, k_head, v_head, table_row, start, end, q_idx, offs_n, offs_d, L, D, block_size,
     stride_kpage, stride_ks, stride_kd, stride_vpage, stride_vs, stride_vd, lo_shift, hi_shift, scale_log2,
@@ -234,6 +249,8 @@ def _kvcache_attn_kernel(
     q_ptrs = (q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
               + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=(rows < ROWS)[:, None] & (offs_d < D)[None, :], other=0.0)
+    if k_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q, scale_log2 = _fp16_queries(q, scale_log2)
 
     L = _sequence_keys(seqlens_ptr, b, new_tokens, capacity)
     lo_shift = L - Sq - LEFT  # query i sees keys from i + lo_shift (HAS_LEFT) ...
