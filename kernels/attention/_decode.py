@@ -26,11 +26,10 @@ the page numbers are loads the K/V loads depend on, so a paged launch runs two p
 
 Balanced splits (``BALANCED``, off by default): one split size over the whole batch's keys (``_balanced_split``).
 
-FP8 caches: tiles are widened to q's dtype before their products, to fp16 where q is bf16 (``_fp16_queries``: one
-conversion per pair of elements, where widening to bf16 is a chain of them); the K scale multiplies the softmax scale
-and the V scale the normalised output, per key/value head (a float argument, or read from memory). The widening and
-the products, not memory, bound an FP8 step with bf16 tiles (~2.3e12 cache elements/s on H100 and H200), so its
-launch aims at two programs per SM, as a paged one does.
+FP8 caches: tiles widen to q's dtype for their products, to fp16 where q is bf16 (``_fp16_queries``; one conversion
+per pair, where widening to bf16 is a chain); the K scale multiplies the softmax scale, the V scale the output, per
+key/value head. The widening and products bound a contiguous FP8 step, not memory (H200: ~3.6e12 elements/s), so its
+launch aims at two programs per SM, as a paged one does (whose page walk bounds it, FP8 or not).
 
 Limits: forward only, any head dim of the family (padded to a power of two), fp16/bf16/fp32 and float8_e4m3fn
 caches; ``cache_seqlens[b] + Sq_new`` is clamped to [0, capacity] on the device, block-table entries are not checked.
