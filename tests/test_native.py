@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -670,6 +671,58 @@ def test_native_dropout_equals_the_python_path_bit_for_bit(native, monkeypatch, 
     first = dropout(x, 0.3)
     torch.manual_seed(5)
     assert torch.equal(dropout(x, 0.3), first) and not torch.equal(dropout(x, 0.3), first)
+
+
+_FRESH_THREADS = """
+import threading
+
+import torch
+
+import kernels._native as native
+import kernels.dropout.ops as ops
+from kernels.dropout import dropout
+
+native.prepare()
+x = torch.randn(4096, device="cuda", requires_grad=True)
+for _ in range(2):  # the plan, then the program (whose builder runs its launch on this thread); no backward yet
+    dropout(x, 0.3, seed=1)
+assert any(program is not False for program in ops._NATIVE_DROPOUTS._entries.values()), "no program"
+results = []
+
+
+def step():
+    x.grad = None
+    y = dropout(x, 0.3, seed=1)
+    y.backward(torch.ones_like(y))
+    results.append((y.detach().clone(), x.grad.clone()))
+
+
+step()  # the autograd engine's device thread: a recorded backward is the first work it runs
+worker = threading.Thread(target=step)  # a thread whose first CUDA work is a program's forward
+worker.start()
+worker.join()
+assert len(results) == 2, "the thread's call failed"
+with native.switched(False):  # last: the Python path's backward would make a context current on the engine's thread
+    y = dropout(x, 0.3, seed=1)
+    expected = (y.detach(), torch.autograd.grad(y, x, torch.ones_like(y))[0])
+for got in results:
+    assert all(torch.equal(a, e) for a, e in zip(got, expected)), "not the Python path's result"
+print("ok")
+"""
+
+
+@pytest.mark.cuda
+def test_a_program_runs_on_threads_where_cuda_has_not_run_yet(native):
+    """The autograd engine's device thread, when a recorded backward is the first work it runs, and a new thread
+    whose first call is a program's have no CUDA context current: the extension makes the device's current, as
+    Triton's launcher does (in a process of its own, as this one's threads have run CUDA work already)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS_NATIVE"}
+    done = subprocess.run([sys.executable, "-c", _FRESH_THREADS], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def _attention_calls(q, k, v, do, **kwargs):

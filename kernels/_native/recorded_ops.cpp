@@ -53,6 +53,10 @@ using EncodeTiledFn = CUresult (*)(void*, int, uint32_t, void*, const uint64_t*,
                                    const uint32_t*, int, int, int, int);
 using ErrorStringFn = CUresult (*)(CUresult, const char**);
 using StreamIsCapturingFn = CUresult (*)(void*, int*);
+using CtxGetCurrentFn = CUresult (*)(void**);
+using CtxSetCurrentFn = CUresult (*)(void*);
+using DeviceGetFn = CUresult (*)(int*, int);
+using PrimaryCtxRetainFn = CUresult (*)(void**, int);
 
 struct Driver {
   LaunchKernelFn launch = nullptr;
@@ -60,6 +64,10 @@ struct Driver {
   EncodeTiledFn encode_tiled = nullptr;
   ErrorStringFn error_string = nullptr;
   StreamIsCapturingFn stream_is_capturing = nullptr;
+  CtxGetCurrentFn ctx_get_current = nullptr;
+  CtxSetCurrentFn ctx_set_current = nullptr;
+  DeviceGetFn device_get = nullptr;
+  PrimaryCtxRetainFn primary_ctx_retain = nullptr;
 };
 
 const Driver& driver() {
@@ -73,8 +81,13 @@ const Driver& driver() {
     out.encode_tiled = reinterpret_cast<EncodeTiledFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
     out.error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib, "cuGetErrorString"));
     out.stream_is_capturing = reinterpret_cast<StreamIsCapturingFn>(dlsym(lib, "cuStreamIsCapturing"));
-    TORCH_CHECK(out.launch && out.launch_cooperative && out.stream_is_capturing,
-                "fused_kernels native: libcuda.so.1 lacks cuLaunchKernel or cuStreamIsCapturing");
+    out.ctx_get_current = reinterpret_cast<CtxGetCurrentFn>(dlsym(lib, "cuCtxGetCurrent"));
+    out.ctx_set_current = reinterpret_cast<CtxSetCurrentFn>(dlsym(lib, "cuCtxSetCurrent"));
+    out.device_get = reinterpret_cast<DeviceGetFn>(dlsym(lib, "cuDeviceGet"));
+    out.primary_ctx_retain = reinterpret_cast<PrimaryCtxRetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    TORCH_CHECK(out.launch && out.launch_cooperative && out.stream_is_capturing && out.ctx_get_current &&
+                    out.ctx_set_current && out.device_get && out.primary_ctx_retain,
+                "fused_kernels native: libcuda.so.1 lacks cuLaunchKernel, cuStreamIsCapturing or the context calls");
     return out;
   }();
   return d;
@@ -85,6 +98,28 @@ void check_driver(CUresult result, const char* what) {
   const char* message = "unknown error";
   if (driver().error_string != nullptr) driver().error_string(result, &message);
   TORCH_CHECK(false, "fused_kernels native: ", what, " failed: ", message);
+}
+
+// Makes device ``ordinal``'s primary context (torch's) current on this thread where none is. A thread on which CUDA
+// has not run yet has none: the autograd engine's device thread when a recorded backward is the first work it runs
+// (``dropout(x).sum().backward()``), a new Python thread whose first call is a program's. torch's device guard does not
+// make one current when the thread's default device is already the tensors' (cudaGetDevice answers 0 without a
+// context); the runtime would on its first call, but the launches here go to the driver. Triton's launcher does the
+// same before each launch.
+void ensure_context(int ordinal) {
+  void* current = nullptr;
+  check_driver(driver().ctx_get_current(&current), "cuCtxGetCurrent");
+  if (current != nullptr) return;
+  static std::mutex mutex;
+  static std::unordered_map<int, void*> primaries;  // retained once per device, for the process's life
+  std::lock_guard<std::mutex> lock(mutex);
+  void*& primary = primaries[ordinal];
+  if (primary == nullptr) {
+    int device = 0;
+    check_driver(driver().device_get(&device, ordinal), "cuDeviceGet");
+    check_driver(driver().primary_ctx_retain(&primary, device), "cuDevicePrimaryCtxRetain");
+  }
+  check_driver(driver().ctx_set_current(primary), "cuCtxSetCurrent");
 }
 
 // ---- capture mode (tests without a GPU) ---------------------------------------------------------------------
@@ -410,7 +445,10 @@ struct StageTensors {
 bool run_stage(const Program& program, const Stage& stage, StageTensors& tensors, const std::vector<int64_t>& ints,
                int64_t stream) {
   c10::OptionalDeviceGuard guard;
-  if (!capture_mode && program.device.type() == at::kCUDA) guard.reset_device(program.device);
+  if (!capture_mode && program.device.type() == at::kCUDA) {
+    guard.reset_device(program.device);
+    ensure_context(program.device.index());
+  }
   const auto options = at::TensorOptions().device(program.device);
   tensors.allocs.reserve(stage.allocs.size());
   for (const auto& alloc : stage.allocs) tensors.allocs.push_back(allocate(alloc, options));
