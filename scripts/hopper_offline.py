@@ -75,7 +75,7 @@ def sass_histogram(cubin: bytes, top: int = 16) -> str:
             f.write(cubin)
         sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
     opcodes = collections.Counter(match.group(1).split(".")[0] for match in re.finditer(
-        r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
     return f"{sum(opcodes.values())} instructions: " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(top))
 
 
