@@ -15,17 +15,16 @@ Implements ``reference.attention.attention_with_kvcache`` (read beside it) in tw
   writes its rows; with them (``SPLIT``) it writes them normalised, with their log-sum-exp, to fp32 partial
   buffers and counts itself in its row block's arrivals, and the last split to arrive combines them all
   (``_combine_splits``: ``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``; an empty split has
-  ``lse_s = -inf`` and weighs nothing) and resets the count for the next call (a combine kernel of its own
-  measured slower; the combine's timing: the family's TUNING.md).
+  ``lse_s = -inf`` and weighs nothing) and resets the count for the next call (a combine kernel: TUNING.md).
 
 Masks: the forward's band with ``Sk = L`` per sequence (queries align bottom-right); key blocks every row sees whole
 load without a mask (``MASKED``, a compile-time variant of one loop).
 
-Paged caches (``PAGED``): each key row finds its page through ``block_table[b, j // block_size]`` (any page size);
-the page numbers are loads the K/V loads depend on, so a paged launch runs two programs per SM.
+Paged caches (``PAGED``): each key row finds its page through ``block_table[b, j // block_size]`` (any page size, a
+shift where it is a power of two: ``PAGE_SHIFT``); the page numbers are loads the K/V loads depend on, so a paged
+launch runs two programs per SM.
 
 Balanced splits (``BALANCED``, off by default): one split size over the whole batch's keys (``_balanced_split``).
-
 FP8 caches: tiles widen to q's dtype for their products, to fp16 where q is bf16 (``_fp16_queries``; one conversion
 per pair, where widening to bf16 is a chain); the K scale multiplies the softmax scale, the V scale the output, per
 key/value head. The widening and products bound a contiguous FP8 step, not memory (H200: ~3.6e12 elements/s), so its
@@ -90,15 +89,21 @@ def _sequence_keys(seqlens_ptr, b, new_tokens, capacity):
 
 @triton.jit
 def _cache_row_offsets(cols, table_row, block_size, stride_page, stride_s, L, PAGED: tl.constexpr,
-                       MASKED: tl.constexpr):
+                       MASKED: tl.constexpr, PAGE_SHIFT: tl.constexpr):
     """64-bit offsets of cache positions ``cols`` of one sequence and head: ``cols * stride_s`` in a contiguous cache,
-    ``page * stride_page + row * stride_s`` in a paged one (positions at or past ``L`` read page 0 when ``MASKED``)."""
+    ``page * stride_page + row * stride_s`` in a paged one (positions at or past ``L`` read page 0 when ``MASKED``).
+    Pages of ``2^PAGE_SHIFT`` positions split a position by a shift and a mask; other sizes (``PAGE_SHIFT`` -1) by a
+    division by the runtime ``block_size``, a routine of about twenty instructions per position."""
     if PAGED:
-        if MASKED:
-            pages = tl.load(table_row + cols // block_size, mask=cols < L, other=0)
+        if PAGE_SHIFT >= 0:
+            page_of, row_in_page = cols >> PAGE_SHIFT, cols & ((1 << PAGE_SHIFT) - 1)
         else:
-            pages = tl.load(table_row + cols // block_size)
-        return pages.to(tl.int64) * stride_page + (cols % block_size).to(tl.int64) * stride_s
+            page_of, row_in_page = cols // block_size, cols % block_size
+        if MASKED:
+            pages = tl.load(table_row + page_of, mask=cols < L, other=0)
+        else:
+            pages = tl.load(table_row + page_of)
+        return pages.to(tl.int64) * stride_page + row_in_page.to(tl.int64) * stride_s
     return cols.to(tl.int64) * stride_s
 
 
@@ -169,14 +174,14 @@ def _kvcache_attn_inner(
     acc, m_i, l_i, q, k_head, v_head, table_row, start, end, q_idx, offs_n, offs_d, L, D, block_size,
     stride_kpage, stride_ks, stride_kd, stride_vpage, stride_vs, stride_vd, lo_shift, hi_shift, scale_log2,
     MASKED: tl.constexpr, PAGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SHIFT: tl.constexpr,
 ):
     """Stream cache positions [start, end) (whole key blocks, except a masked last one) through the online
     softmax (base 2)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k_rows = _cache_row_offsets(cols, table_row, block_size, stride_kpage, stride_ks, L, PAGED, MASKED)
-        v_rows = _cache_row_offsets(cols, table_row, block_size, stride_vpage, stride_vs, L, PAGED, MASKED)
+        k_rows = _cache_row_offsets(cols, table_row, block_size, stride_kpage, stride_ks, L, PAGED, MASKED, PAGE_SHIFT)
+        v_rows = _cache_row_offsets(cols, table_row, block_size, stride_vpage, stride_vs, L, PAGED, MASKED, PAGE_SHIFT)
         k_ptrs = k_head + k_rows[:, None] + offs_d[None, :] * stride_kd
         v_ptrs = v_head + v_rows[:, None] + offs_d[None, :] * stride_vd
         k = _load_tile(k_ptrs, cols, L, offs_d, D, MASKED, EVEN_D).to(q.dtype)  # an FP8 cache's tiles widen here
@@ -217,6 +222,7 @@ def _kvcache_attn_kernel(
     STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, K_SCALE_IN_MEMORY: tl.constexpr,
     V_SCALE_IN_MEMORY: tl.constexpr, BALANCED: tl.constexpr = False, BLOCK_B: tl.constexpr = 1,
+    PAGE_SHIFT: tl.constexpr = -1,  # PAGED: log2(block_size) where it is a power of two, else -1
 ):
     pid_r = tl.program_id(2)
     ROWS = GROUP * Sq
@@ -286,15 +292,15 @@ def _kvcache_attn_kernel(
     acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, start, full_lo, q_idx, offs_n,
                                         offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
                                         stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, True, PAGED, HAS_LEFT,
-                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION)
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT)
     acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, full_lo, full_hi, q_idx,
                                         offs_n, offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
                                         stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, False, PAGED, HAS_LEFT,
-                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION)
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT)
     acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, full_hi, end, q_idx, offs_n,
                                         offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
                                         stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, True, PAGED, HAS_LEFT,
-                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION)
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT)
 
     # l_i = 0 only for a row that saw no key (an empty split, a query before every visible key); not `l_i > 0`,
     # which would turn a NaN row into zeros

@@ -583,17 +583,20 @@ def _attend_parts(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_tab
     else:
         o_part = lse_part = arrivals = None
 
+    page = k_cache.shape[2] if paged else 1
+    page_shift = page.bit_length() - 1 if paged and page & (page - 1) == 0 else -1
+
     def launch():
         kernel_for(_kvcache_attn_kernel, traceable=False)[grid](
             q, k_cache, v_cache, o, lse, o_part, lse_part, arrivals, cache_seqlens, table,
             table.stride(0) if paged else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride(),
             *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
-            kv_heads, group, sq, new_tokens, d, k_cache.shape[2] if paged else 1, capacity,
+            kv_heads, group, sq, new_tokens, d, page, capacity,
             scale * LOG2E, left, right, plan.splits * batch if balanced else plan.splits, *scale_args, batch,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd,
             DOT_PRECISION=dot_precision(q.dtype), **scale_flags, BALANCED=balanced,
-            BLOCK_B=triton.next_power_of_2(batch) if balanced else 1, num_warps=plan.num_warps,
+            BLOCK_B=triton.next_power_of_2(batch) if balanced else 1, PAGE_SHIFT=page_shift, num_warps=plan.num_warps,
             num_stages=plan.num_stages,
         )
 
