@@ -15,7 +15,8 @@ inputs that require grad (the autograd node included), and the forward plus ``.b
 back to back without synchronising (``benchmarks._harness.host_us``), the median of ``rounds`` interleaved
 rounds. torch's side is the op a user would otherwise call: ``F.dropout``, ``F.layer_norm``, ``F.rms_norm``,
 the composition ``F.layer_norm(F.dropout(x) + residual)`` for ``add_dropout_norm``, and SDPA (whatever
-backend it picks) for ``flash_attention``. A last row gives the floor of any op written in Python: an
+backend it picks) for ``flash_attention``; ours with the compiled eager tier unless ``FUSED_KERNELS_NATIVE=0`` (built
+before the first timed call). A last row gives the floor of any op written in Python: an
 ``autograd.Function`` that only allocates its output, against the bare allocation. ``--profile OP`` adds a
 cProfile of that op's forward + backward, the functions with the most own time first.
 """
@@ -36,6 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+import kernels._native as native_tier
 from benchmarks._harness import forward_backward, host_us
 from examples.gpt import GPT, add_model_arguments, batches, config_from_arguments, load_corpus
 from kernels.attention import flash_attention
@@ -144,6 +146,7 @@ def _torch_add_dropout_norm(x, residual, w, b):
 
 def op_host_costs(args) -> None:
     """The ``--ops`` table (see the module docstring) and, with ``--profile``, one op's cProfile."""
+    native_tier.prepare()  # the compiled tier (on unless FUSED_KERNELS_NATIVE=0) built before the first timed call
     cases = {**_cases(), **_floors()}
     chosen = args.only.split(",") if args.only else list(cases)
     print(f"{'op':<24} {'fwd ours':>9} {'fwd torch':>9} {'ratio':>6} {'fwd+bwd ours':>13} {'fwd+bwd torch':>13}"
