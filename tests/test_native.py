@@ -376,20 +376,48 @@ def test_a_tma_argument_becomes_its_tensor_map_encoded_as_tritons_launcher_encod
     assert _pointer(words[5]) == out.data_ptr() and struct.unpack("<i", words[6])[0] == 100
 
 
-def test_a_killed_builds_lock_is_cleared_and_a_running_builds_is_kept(monkeypatch, tmp_path):
-    """torch's extension builder waits forever on a lock file that a killed build left behind."""
+def test_a_killed_builds_lock_is_cleared_and_a_running_builds_is_waited_for(monkeypatch, tmp_path):
+    """torch's extension builder waits forever on a lock file that a dead build left behind; a build under way is
+    waited for, then the library it built is taken."""
+    import threading
     import time
 
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "built")
+    monkeypatch.setattr(native_tier, "_LOCK_POLL_SECONDS", 0.01)
     lock = tmp_path / "lock"
     lock.touch()
-    assert native_tier._build() == "built" and lock.exists()  # a build under way: its lock stays
+    done = threading.Timer(0.3, lock.unlink)  # the other process's build ends
+    done.start()
+    started = time.monotonic()
+    assert native_tier._build() == "built" and time.monotonic() - started >= 0.25
+    done.join()
+    lock.touch()
     stale = time.time() - native_tier._STALE_LOCK_SECONDS - 1
     os.utime(lock, (stale, stale))
     assert native_tier._build() == "built" and not lock.exists()
+
+
+def test_a_built_library_is_imported_without_the_build_lock(monkeypatch, tmp_path):
+    """torch's loader takes the build lock even for a library already built; a process that ends inside it leaves
+    the lock for the next one to wait on. A library of this source and torch version is imported directly."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "built")
+    monkeypatch.setattr(native_tier, "_import_library", lambda path: ("imported", path))
+    assert native_tier._build() == "built"  # nothing built yet
+    name = native_tier._extension_name()
+    library = tmp_path / (name + (".pyd" if os.name == "nt" else ".so"))
+    library.touch()
+    assert native_tier._build() == ("imported", str(library))
+    (tmp_path / "lock").touch()  # a build under way: waited for, not imported past
+    monkeypatch.setattr(native_tier, "_wait_for_a_build_under_way", lambda lock: None)
+    assert native_tier._build() == "built"
+    monkeypatch.setattr(torch, "__version__", "0.0.0+another")
+    assert native_tier._extension_name() != name  # a torch upgrade builds anew
 
 
 def _unbuilt_tier(monkeypatch, build, cuda_in_use: bool) -> None:

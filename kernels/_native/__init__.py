@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import pathlib
 import threading
@@ -107,19 +108,54 @@ def _forget_the_build_after_fork() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_the_build_after_fork)
 
-#: a build lock older than this is a killed build's: torch's builder would wait for it forever
+#: a build lock older than this is a dead build's (a process killed or ended while it built): torch's builder would
+#: wait for it forever
 _STALE_LOCK_SECONDS = 600
+_LOCK_POLL_SECONDS = 0.25
+
+
+def _extension_name() -> str:
+    """One name per source text and torch version: checkouts of different versions never build over each other's,
+    and a torch upgrade builds anew instead of loading a library built against other headers."""
+    return "fused_kernels_native_" + hashlib.sha1(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+
+
+def _wait_for_a_build_under_way(lock: str) -> None:
+    """Wait while another process holds the build lock; a lock older than ``_STALE_LOCK_SECONDS`` is removed."""
+    while os.path.exists(lock):
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except FileNotFoundError:
+            return
+        if age > _STALE_LOCK_SECONDS:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+            return
+        time.sleep(_LOCK_POLL_SECONDS)
+
+
+def _import_library(path: str):
+    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+    built = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(built)
+    return built
 
 
 def _build():
+    """The extension: imported where this source's library is built and no build holds the lock, else built (or
+    waited for) by ``torch.utils.cpp_extension.load``. torch's loader takes the build lock even to find a library
+    already built (it runs ninja), and a process that ends inside it (a short script whose background build thread
+    is still loading) leaves that lock behind for the next process to wait on; the import takes no lock."""
     try:
         from torch.utils import cpp_extension
 
-        # one build per source text: checkouts of different versions never rebuild over each other's
-        name = "fused_kernels_native_" + hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:12]
-        lock = os.path.join(cpp_extension._get_build_directory(name, verbose=False), "lock")
-        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > _STALE_LOCK_SECONDS:
-            os.remove(lock)
+        name = _extension_name()
+        directory = cpp_extension._get_build_directory(name, verbose=False)
+        lock = os.path.join(directory, "lock")
+        _wait_for_a_build_under_way(lock)
+        library = os.path.join(directory, name + (".pyd" if os.name == "nt" else ".so"))
+        if os.path.exists(library) and not os.path.exists(lock):
+            return _import_library(library)
         return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # a missing compiler or ninja: the Python path serves every call
         warnings.warn(f"fused_kernels: the compiled eager tier could not be built ({error}); eager calls take the "
