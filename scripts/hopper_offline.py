@@ -1,16 +1,16 @@
 """Compile the Hopper (sm_90) attention kernels on a machine without a GPU and report what ptxas makes of them.
 
     python3 -m scripts.hopper_offline [--dims 64,128] [--kernels fwd,bwd,decode] [--causal] [--dropout] [--sass]
-        [--group-heads N]
+        [--group-heads N] [--pages 16,40]
 
 The Gluon kernels do not run in the Triton interpreter, so a change to them is otherwise first seen on a GPU. This
 tool compiles them for sm_90a through the public launch path (``kernels.attention.ops``), with a stand-in driver
 that names an sm_90 target and launches nothing, then runs Triton's own ``ptxas -v`` over the PTX: a frontend,
 layout or register-allocation failure shows here, and so do registers and spill bytes per kernel (which the
 Triton launcher only reports on a GPU). ``decode`` compiles the KV-cache decode kernel (a Triton kernel) for a bf16
-and an FP8 cache (B 16, Hq 32/Hkv 8, 8192 keys); ``--sass`` adds each kernel's most frequent SASS instructions
-(Triton's own cuobjdump), the count that shows, for example, what widening FP8 tiles costs. Nothing is timed; the
-speed still needs the GPU.
+and an FP8 cache (B 16, Hq 32/Hkv 8, 8192 keys), with ``--pages`` also paged caches of those page sizes; ``--sass``
+adds each kernel's most frequent SASS instructions (Triton's own cuobjdump), the count that shows, for example, what
+widening FP8 tiles costs. Nothing is timed; the speed still needs the GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import os
 import re
 import subprocess
@@ -94,11 +95,12 @@ def ptxas_report(ptx: str) -> str:
 
 
 def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout: bool,
-                      group_heads: int | None = None) -> list[tuple]:
+                      group_heads: int | None = None, decode_pages: tuple[int, ...] = ()) -> list[tuple]:
     """``(kernel name, label, grid, seconds, compiled kernel)`` for each launch of the Hopper forward (``fwd``) and
     backward (``bwd``) at each head dim, on a small bf16 call (B 2, Hq 8, Hkv 2, S 512), and of the decode kernel
-    (``decode``) on a bf16 and an FP8 cache; ``group_heads``: the backward's query heads per program
-    (``configs.hopper_group_heads``; default: the launch tables' choice)."""
+    (``decode``) on a bf16 and an FP8 cache, contiguous and paged with each page size of ``decode_pages``;
+    ``group_heads``: the backward's query heads per program (``configs.hopper_group_heads``; default: the launch
+    tables' choice)."""
     triton.runtime.driver.set_active(_NoGpuDriver())
     import kernels.attention.kvcache as kvcache
     import kernels.attention.ops as ops
@@ -129,14 +131,21 @@ def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout
             ops._launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, torch.zeros_like(k), torch.zeros_like(v), left,
                                    right, 0.1, drop, dq_kernel, acc, parts)
         if "decode" in kernels:
-            for cache in (torch.bfloat16, torch.float8_e4m3fn):
+            for cache, page in itertools.product((torch.bfloat16, torch.float8_e4m3fn), (0, *decode_pages)):
                 queries = torch.zeros(16, 32, 1, d, dtype=torch.bfloat16)
-                k_cache, v_cache = (torch.zeros(16, 8, 8192, d, dtype=cache) for _ in range(2))
+                if page:  # (pages, Hkv, page, D) and each sequence's pages in a table
+                    per_sequence = -(-8192 // page)
+                    k_cache, v_cache = (torch.zeros(16 * per_sequence, 8, page, d, dtype=cache) for _ in range(2))
+                    table = torch.arange(16 * per_sequence, dtype=torch.int32).view(16, per_sequence)
+                else:
+                    k_cache, v_cache = (torch.zeros(16, 8, 8192, d, dtype=cache) for _ in range(2))
+                    table = None
                 scales = {"k_scale": 0.5, "v_scale": 0.5} if cache == torch.float8_e4m3fn else {}
                 parts = kvcache._attend_parts(queries, k_cache, v_cache, torch.full((16,), 8192, dtype=torch.int32),
-                                              0, None, left, right, 0.1, False, 8192, **scales)
+                                              0, table, left, right, 0.1, False, 8192, **scales)
                 parts[5]()
-                compiled[-1] = (f"{compiled[-1][0]}[{str(cache).split('.')[-1]} cache]", *compiled[-1][1:])
+                label = str(cache).split(".")[-1] + (f" cache, pages of {page}" if page else " cache")
+                compiled[-1] = (f"{compiled[-1][0]}[{label}]", *compiled[-1][1:])
         for name, grid, kernel, seconds in compiled[before:]:
             rows.append((name, f"D {d}", grid, seconds, kernel))
     return rows
@@ -150,9 +159,10 @@ def main(argv=None) -> None:
     parser.add_argument("--dropout", action="store_true", help="the backward with dropout (p 0.2)")
     parser.add_argument("--sass", action="store_true", help="also each kernel's most frequent SASS instructions")
     parser.add_argument("--group-heads", type=int, help="the backward's query heads per program (group split)")
+    parser.add_argument("--pages", default="", help="decode: also paged caches of these page sizes, comma-separated")
     args = parser.parse_args(argv)
     rows = compile_attention(args.kernels.split(","), [int(d) for d in args.dims.split(",")], args.causal,
-                             args.dropout, args.group_heads)
+                             args.dropout, args.group_heads, tuple(int(p) for p in args.pages.split(",") if p))
     for name, label, grid, seconds, kernel in rows:
         print(f"{name} {label} grid {grid} ({seconds:.1f} s): {ptxas_report(kernel.asm['ptx'])}")
         if args.sass:
