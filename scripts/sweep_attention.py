@@ -15,11 +15,11 @@ registers) are reported and skipped. What it finds goes into ``configs.ROWS`` an
 
 ``--decode`` times one decode step (Sq 1) of ``flash_attention_with_kvcache`` at each point (B, Hq, Hkv, Sk, D; the
 benchmark's ``DECODE_POINTS`` by default) for each cache (16-bit or FP8, contiguous or in pages of 16; ``--ragged``:
-the benchmark's ragged lengths) under the table's plan and under each plan of ``--decode-plans``: ``;``-separated
-changes of ``configs.DecodePlan`` fields (``block_n=64,num_stages=2``, ``splits*2``, ``splits/2``,
-``balanced=1``), applied through ``configs.override_decode``. Device time by CUDA-graph replay (inputs cycled past
-L2), the variants interleaved over ``--rounds`` rounds; prints µs, GB/s of the cache read and each plan's speed-up
-over the table's, and an FP8 cache's over the 16-bit cache's table plan (tokens/s).
+the benchmark's ragged lengths, at its ``RAGGED_POINTS`` by default) under the table's plan and under each plan of
+``--decode-plans``: ``;``-separated changes of ``configs.DecodePlan`` fields (``block_n=64,num_stages=2``,
+``splits*2``, ``splits/2``, ``balanced=1``), applied through ``configs.override_decode``. Device time by CUDA-graph
+replay (inputs cycled past L2), the variants interleaved over ``--rounds`` rounds; prints µs, GB/s of the cache read
+and each plan's speed-up over the table's, and an FP8 cache's over the 16-bit cache's table plan (tokens/s).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def decode_main(args) -> None:
     from benchmarks._harness import graph_ms
 
     points = ([tuple(int(x) for x in p.split(",")) for p in args.decode_points.split(";")] if args.decode_points
-              else bench_points.DECODE_POINTS)
+              else bench_points.RAGGED_POINTS if args.ragged else bench_points.DECODE_POINTS)
     plans = {"table": lambda plan: plan}
     plans.update({spec: _decode_plan_change(spec) for spec in args.decode_plans.split(";") if spec.strip()})
     dtype = getattr(torch, args.dtype)
