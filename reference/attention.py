@@ -408,6 +408,25 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None
     return (out, lse) if return_lse else out
 
 
+def merge_partial(out: torch.Tensor, lse: torch.Tensor, row0: int, part: torch.Tensor,
+                  part_lse: torch.Tensor) -> None:
+    """Merge a partial attention result into a running one, in place (``kernels/attention/_merge.py``): rows
+    ``row0 ..`` of ``out`` (B, H, S, D) and ``lse`` (B, H, S) have attended to one set of keys, ``part`` (B, H, rows,
+    D) and ``part_lse`` to a disjoint one; afterwards they hold attention over both,
+    ``lse = log(exp(lse) + exp(part_lse))`` and ``out = exp(lse_old - lse) out + exp(part_lse - lse) part``. A row
+    that has seen no key on either side keeps output 0 and ``-inf``. Context-parallel attention merges its ring
+    steps so."""
+    rows = slice(row0, row0 + part.shape[2])
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, part_lse)
+    seen = torch.isfinite(new)
+    keep_old = torch.where(seen, torch.exp(old - new), 0.0)
+    take_part = torch.where(seen, torch.exp(part_lse - new), 0.0)
+    merged = out[:, :, rows].float() * keep_old[..., None] + part.float() * take_part[..., None]
+    out[:, :, rows] = merged.to(out.dtype)
+    lse[:, :, rows] = new
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of ``x`` (B, H, S, D) by the cosine and sine tables ``cos``, ``sin`` (B or 1, S, D)
     of each token's position: with ``x = (x1, x2)`` split at ``D / 2`` and the tables split the same way,

@@ -786,3 +786,48 @@ def test_inputs_whose_contiguous_outputs_tma_cannot_store_take_the_portable_kern
     for name, g, p, r in zip(("o", "dq", "dk", "dv"), got, peer, reference, strict=True):
         assert g.is_contiguous(), name
         assert_no_worse_than_torch(name, g, p, r, atol=ATOL[torch.bfloat16])
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("causal, hkv", [(True, 8), (True, 2), (False, 2)], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_block_accumulated_in_the_hopper_kernel_adds_its_gradients_to_what_the_accumulators_hold(d, causal, hkv):
+    """Context-parallel attention's ring steps add each block's gradients into fp32 accumulators: the Hopper
+    backward does it by TMA reductions (``REDUCE_DKDV``, dQ as always) into views of larger tensors that already
+    hold other blocks' sums; what it adds is the kernel's ordinary gradients (before their rounding to bf16), and
+    nothing outside the views moves. A GQA group of 4 in causal calls is split over programs as well."""
+    b, hq, sq, sk = 2, 8, 1024, 2048
+    q, k, v = _qkv(b, hq, hkv, sq, sk, d, torch.bfloat16)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    scale, right = d ** -0.5, 0 if causal else -1
+    bd = configs.block_d(d)
+    g = torch.Generator().manual_seed(2)
+    dq_big = torch.randn(b, hq, sq + 128, bd, generator=g).to(DEVICE)
+    dk_big, dv_big = (torch.randn(b, hkv, sk + 256, bd, generator=g).to(DEVICE) for _ in range(2))
+    before = [t.clone() for t in (dq_big, dk_big, dv_big)]
+    accumulators = (dq_big[:, :, 128:], dk_big[:, :, 256:], dv_big[:, :, 256:])
+    with configs.forced_path("hopper"):
+        o, lse = ops._fwd_impl(q, k, v, -1, right, scale)
+        expected = ops._bwd_impl(do, q, k, v, o, lse, -1, right, scale)
+        assert ops.accumulates_in_kernel(do, q, k, v, *accumulators)
+        ops._bwd_accumulate(do, q, k, v, o, lse, -1, right, scale, *accumulators)
+    for name, big, old, skip, want in zip(("dq", "dk", "dv"), (dq_big, dk_big, dv_big), before, (128, 256, 256),
+                                          expected, strict=True):
+        assert torch.equal(big[:, :, :skip], old[:, :, :skip]), name
+        added = big[:, :, skip:, :d] - old[:, :, skip:, :d]
+        torch.testing.assert_close(added, want.float(), rtol=1.6e-2, atol=1.6e-2, msg=name)
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_forward_beside_a_transfer_takes_one_program_per_tile_and_the_same_results(causal):
+    """``beside_transfer`` (a ring step whose K/V transfer runs beside the forward) swaps the persistent Hopper
+    forward for one program per tile: the same tiles, so the same output and log-sum-exp, bit for bit."""
+    q, k, v = _qkv(2, 8, 2, 2048, 4096, 128, torch.bfloat16)
+    with configs.forced_path("hopper"):
+        assert ops.uses_hopper_forward(q, k, v) and configs.HOPPER_FORWARD[128].persistent
+        o, lse = ops._fwd_impl(q, k, v, -1, 0 if causal else -1, 128 ** -0.5)
+        o_beside, lse_beside = ops._fwd_impl(q, k, v, -1, 0 if causal else -1, 128 ** -0.5, beside_transfer=True)
+    assert torch.equal(o, o_beside) and torch.equal(lse, lse_beside)

@@ -8,7 +8,8 @@ sequence) strides. ``delta = rowsum(dO * O)`` comes from the portable preprocess
 Schedule (one program = 128 keys of one (batch, key/value head), walking every query block of every query head of its
 GQA group that sees them; small causal grids run key-block-major: ``_key_program``, ``configs.hopper_key_major``;
 a large group is split over ``GROUP_PARTS`` programs side by side in the grid, ``configs.hopper_group_parts``, whose
-dK and dV go out as TMA reductions into fp32 accumulators the preprocess zeroed, then one cast each):
+dK and dV go out as TMA reductions (``REDUCE_DKDV``) into fp32 accumulators the preprocess zeroed, then one cast
+each; context-parallel attention reduces every block of a ring step into the same accumulators the same way):
 - a **producer** warp loads K and V once, then the 64-row Q and dO tiles into a ring of ``STAGES`` slots ("ready"
   and "empty" mbarriers), with the block's log-sum-exp (base 2) and ``delta`` beside them;
 - two **consumer** warpgroups own 64 keys each, dK and dV in registers; in the transposed frame (keys are the wgmma
@@ -431,8 +432,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_smem, lse_
                                      D_SPLIT)
 
     if REDUCE_DKDV:
-        # other programs walk the group's other query heads for these keys: dK and dV are added into fp32
-        # accumulators, through this consumer's dQ tiles
+        # other programs (the group's other query heads) or launches (the blocks of a ring step) add to the same
+        # keys' gradients: dK and dV are added into fp32 accumulators, through this consumer's dQ tiles
         TILES: gl.constexpr = 2 if DQ_TURNS else BLOCK_D // 64
         _reduce_rows(dv, dv_desc, dq_smem, b, hk, n0 + HALF * HALF_N, HALF * TILES, TILES, BLOCK_D)
         _reduce_rows(dk * scale, dk_desc, dq_smem, b, hk, n0 + HALF * HALF_N, HALF * TILES, TILES, BLOCK_D)
@@ -474,7 +475,7 @@ def _consumer_worker(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, mask_sme
 @gluon.jit(do_not_specialize=["Sq", "Sk", "seed_lo", "seed_hi", "seed_in_memory", "threshold"])
 def _attn_bwd_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc,  # TMA descriptors over (B, H, S, D); blocks [1, 1, 64, BLOCK_D]
-    dk_desc, dv_desc,  # as k_desc, or with GROUP_PARTS > 1 over fp32 accumulators (zeroed) as dq_desc
+    dk_desc, dv_desc,  # as k_desc, or with REDUCE_DKDV over fp32 accumulators (B, Hkv, Sk, BLOCK_D) as dq_desc
     dq_desc,  # TMA descriptor over the dQ accumulator ((B, Hq, Sq, BLOCK_D) fp32, zeroed); blocks [1, 1, 64, 32]
     lse_ptr, delta_ptr, stride_lb, stride_lh,  # (B, Hq, Sq) fp32, 1 along the sequence
     Hkv, GROUP, Sq, Sk, scale, LEFT, RIGHT,
@@ -485,6 +486,7 @@ def _attn_bwd_hopper_kernel(
     D_SPLIT: gl.constexpr = False,  # head dims 65-96 in 128-column tiles: products over 64 + 32 columns
     KEY_MAJOR: gl.constexpr = False,  # the grid's order (``_key_program``)
     GROUP_PARTS: gl.constexpr = 1,  # programs per key block of a (batch, K/V head), each walking a part of its group
+    REDUCE_DKDV: gl.constexpr = False,  # dK and dV added into fp32 accumulators (dk_desc, dv_desc) by TMA reductions
 ):
     # with dropout the producer is a warpgroup: it draws the keep masks too
     PRODUCER_WARPS: gl.constexpr = 4 if DROPOUT else 1
@@ -497,8 +499,8 @@ def _attn_bwd_hopper_kernel(
     part_first = (group_part % GROUP_PARTS) * part_heads
     heads = gl.minimum(part_heads, GROUP - part_first)
     first_head = hk * GROUP + part_first
-    REDUCE_DKDV: gl.constexpr = GROUP_PARTS > 1
-    gl.static_assert(not REDUCE_DKDV or (WRITE_DQ and not D_SPLIT), "group parts: with dQ, head dims 64 and 128")
+    gl.static_assert(GROUP_PARTS == 1 or REDUCE_DKDV, "group parts sum their dK and dV in accumulators")
+    gl.static_assert(not REDUCE_DKDV or (WRITE_DQ and not D_SPLIT), "dK/dV reductions: with dQ, head dims 64 and 128")
     scale = scale.to(gl.float32)
     b_heads = b * Hkv * GROUP  # query heads of the batches before b: the dropout counter's head word is b_heads + h
     if DROPOUT:

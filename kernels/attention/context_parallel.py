@@ -19,9 +19,15 @@ when ``s > r``; step 0 is the local causal attention). Partial outputs merge thr
 
 The backward runs the ring again: each rank computes its queries' gradient against every shard as it passes (the
 next shard coming in meanwhile), with the merged log-sum-exp and output (so each block's gradients are its exact
-share). The fp32 dK/dV of a shard follow it one step behind: a rank adds its share to the sum the shard's earlier
-holders sent during this step's compute and sends it on during the next one; the last hop, back to the shard's
-owner, is the only transfer not hidden behind compute, and carries the finished sum already in k's dtype.
+share). Every block adds its gradients into fp32 accumulators (``ops._bwd_accumulate``: on the Hopper backward the
+kernel adds them by TMA reductions, so a step costs no zeroing, cast or addition pass per block). A rank's share of
+its own shard's dK/dV stays home; the other ranks' shares of a shard follow it one step behind, summed on the way (a
+rank adds its share to the sum the shard's earlier holders sent during this step's compute and sends it on during
+the next, in fp32), and the last holder sends the rows it touches home in k's dtype, the one transfer no compute
+hides; the owner adds it to its own fp32 share and rounds once more (so a bf16 dK/dV carries two roundings where a
+single sum would carry one). Steps whose K/V transfer runs beside the forward take the Hopper forward's one program
+per tile rather than its persistent programs (``beside_transfer``): a static deal of tiles waits for the programs
+the transfer kept off their SMs.
 
 Limits: dense (B, H, S_local, D) shards, GQA/MQA, causal or full (no windows, no dropout); fp16/bf16/fp32 on GPUs
 (NCCL), fp32 and any float on CPUs (gloo, the Triton interpreter or the twin). One collective per forward checks that
@@ -35,9 +41,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels._common import check_float_dtype, check_tensor
+import reference.attention as twin
+from kernels._common import backend_for, check_float_dtype, check_tensor, interpreter_needs_fp32
+from kernels.attention import configs
+from kernels.attention._merge import merge_partial
 from kernels.attention.checks import resolve_scale
-from kernels.attention.ops import _bwd_impl, _fwd_impl
+from kernels.attention.ops import _bwd_accumulate, _fwd_impl, row_deltas
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -122,11 +131,12 @@ def _ring_peers(group, world: int, rank: int) -> tuple[int, int]:
 _KV_TAG, _GRAD_TAG = 1, 2
 
 
-def _exchange(send: torch.Tensor, receive: torch.Tensor, next_rank: int, previous_rank: int, group, tag: int):
-    """Start sending ``send`` to the next rank and receiving the previous rank's into ``receive``."""
-    ops = [dist.P2POp(dist.isend, send, next_rank, group, tag),
-           dist.P2POp(dist.irecv, receive, previous_rank, group, tag)]
-    return dist.batch_isend_irecv(ops)
+def _exchange(sends, receives, next_rank: int, previous_rank: int, group, tag: int):
+    """Start sending each of ``sends`` to the next rank and receiving the previous rank's into ``receives`` (the two
+    ranks post their tensors in the same order)."""
+    ops = ([dist.P2POp(dist.isend, t, next_rank, group, tag) for t in sends]
+           + [dist.P2POp(dist.irecv, t, previous_rank, group, tag) for t in receives])
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _check_shapes(q, k, v, group) -> None:
@@ -140,88 +150,133 @@ def _check_shapes(q, k, v, group) -> None:
                          f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}, and other ranks' differ")
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
-    """Merge a partial result into ``out``/``lse`` (fp32) at ``rows``, through the log-sum-exps, in place (the rows
-    of ``out`` are read and written once each, the partial output read once)."""
-    old = lse[:, :, rows]
-    new = torch.logaddexp(old, lse_part)
-    finite = torch.isfinite(new)  # rows that see no key yet keep -inf and a zero output
-    keep_old = torch.where(finite, torch.exp(old - new), 0.0)
-    take_part = torch.where(finite, torch.exp(lse_part - new), 0.0)
-    out_rows = out[:, :, rows]
-    out_rows.mul_(keep_old[..., None]).add_(o_part * take_part[..., None])
-    lse[:, :, rows] = new
-
-
 def _ring_forward(q, k, v, group, causal: bool, scale: float, layout: str):
     world, rank = _group_info(group)
     next_rank, previous_rank = _ring_peers(group, world, rank)
     length = q.shape[2]
     out = lse = None
-    kv = torch.stack([k, v])
+    kv = (k.contiguous(), v.contiguous())  # point-to-point operations send whole tensors
+    # one kernel merges each partial result (torch's ops where no kernel runs: CPUs without the interpreter, bf16
+    # under it); with two ranks every row is merged once after step 0, so the running output stays in q's dtype and
+    # is merged in place (the merge's math is fp32 and rounds once, as an fp32 running output cast at the end would)
+    merge_in_kernel = backend_for(q) != "reference" and not interpreter_needs_fp32(q)
+    in_place = world == 1 or (merge_in_kernel and world == 2)
     for step in range(world):
         pending = None
         if step < world - 1:
-            incoming = torch.empty_like(kv)
+            incoming = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             pending = _exchange(kv, incoming, next_rank, previous_rank, group, _KV_TAG)
         source = (rank - step) % world
         for rows, keys, block_causal in _blocks(step, rank, source, world, layout, causal, length):
             o_part, lse_part = _fwd_impl(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], -1,
-                                         0 if block_causal else -1, scale)
+                                         0 if block_causal else -1, scale, beside_transfer=pending is not None)
             if out is None:  # step 0 covers every row: its result is the start of the merge
-                out, lse = o_part.float(), lse_part.float().contiguous()
+                out, lse = (o_part if in_place else o_part.float()), lse_part.float().contiguous()
+            elif merge_in_kernel:
+                merge_partial(out, lse, rows.start, o_part, lse_part.float())
             else:
-                _merge(out, lse, rows, o_part, lse_part.float())
+                twin.merge_partial(out, lse, rows.start, o_part, lse_part.float())
         if pending is not None:
             for request in pending:
                 request.wait()
             kv = incoming
-    return out.to(q.dtype), lse
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
+
+
+def _touched(step: int, holder: int, source: int, world: int, layout: str, causal: bool, length: int) -> slice:
+    """The key rows of ``source``'s shard that rank ``holder`` attends to at ring step ``step`` (one slice: the
+    blocks of a step share their keys, or take the whole shard; empty when it attends to none)."""
+    blocks = _blocks(step, holder, source, world, layout, causal, length)
+    if not blocks:
+        return slice(0, 0)
+    return slice(min(b[1].start for b in blocks), max(b[1].stop for b in blocks))
+
+
+def _returned_rows(source: int, world: int, layout: str, causal: bool, length: int) -> slice:
+    """The key rows of ``source``'s shard whose gradient the other ranks' shares touch (from the first row any of
+    them attends to to the last): what comes home at the last ring step. Both ends of the hop compute it alike."""
+    touched = [_touched(step, (source + step) % world, source, world, layout, causal, length)
+               for step in range(1, world)]
+    touched = [t for t in touched if t.stop > t.start]
+    if not touched:
+        return slice(0, 0)
+    return slice(min(t.start for t in touched), max(t.stop for t in touched))
 
 
 def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layout: str):
     world, rank = _group_info(group)
     next_rank, previous_rank = _ring_peers(group, world, rank)
-    length = q.shape[2]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack([k, v])
-    # The gradient of a K/V shard gathers along the ring behind the shard: at each step a rank adds its share for
-    # the shard in hand to what the shard's earlier holders summed (sent by the previous rank during this step's
-    # compute) and sends the sum on, to arrive during the next step's compute; the last hop brings it home.
-    sending = received = None
-    grad_requests: list = []
+    length, d = q.shape[2], q.shape[3]
+    width = configs.block_d(d)  # the accumulators take the kernels' padded head dim: TMA reductions land in place
+    fp32 = {"dtype": torch.float32, "device": q.device}
+    dq = torch.zeros((*q.shape[:3], width), **fp32)
+    kv_shape = (2, *k.shape[:3], width)
+
+    delta = row_deltas(o, do)  # rowsum(dO * O): every block of every step needs its rows' share
+
+    def attend(step, source, kv, blocks, acc):
+        """Add the gradients of ``blocks`` (shard ``source``'s K/V in hand) into dq and ``acc`` (dK, dV)."""
+        for rows, keys, block_causal in blocks:
+            _bwd_accumulate(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], o[:, :, rows],
+                            lse[:, :, rows], -1, 0 if block_causal else -1, scale, dq[:, :, rows], acc[0][:, :, keys],
+                            acc[1][:, :, keys], delta=None if delta is None else delta[:, :, rows])
+
+    # Step 0: the local blocks, whose K/V gradient stays here. Steps 1 .. W-1: the shard in hand belongs to another
+    # rank; the sum of the other ranks' shares of a shard follows it round the ring one step behind (a rank adds its
+    # share to what the shard's earlier holders sent during this step's compute and sends it on during the next);
+    # the last holder sends the rows the sum touches home in k's dtype, after its compute. Sending it in pieces, the
+    # first beside the last compute, measured slower on two H200s: the transfer kernel holds SMs that compute
+    # needed, most of all while it waits for a peer that is behind.
+    own = torch.zeros(kv_shape, **fp32)
+    kv = (k.contiguous(), v.contiguous())
+    received, chain_requests = None, []
+    coming = _returned_rows(rank, world, layout, causal, length)
+    home = [], []
     for step in range(world):
         kv_requests = []
         if step < world - 1:  # the next shard comes in while this one's gradients are computed
-            incoming = torch.empty_like(kv)
+            incoming = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             kv_requests = _exchange(kv, incoming, next_rank, previous_rank, group, _KV_TAG)
         source = (rank - step) % world
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # this rank's share, this shard
-        for rows, keys, block_causal in _blocks(step, rank, source, world, layout, causal, length):
-            dq_part, dk_part, dv_part = _bwd_impl(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
-                                                  kv[1][:, :, keys], o[:, :, rows], lse[:, :, rows], -1,
-                                                  0 if block_causal else -1, scale)
-            dq[:, :, rows] += dq_part
-            dkv[0][:, :, keys] += dk_part
-            dkv[1][:, :, keys] += dv_part
-        for request in grad_requests:
-            request.wait()
-        if step > 0:
-            dkv += received
-        if world > 1:
-            # the last hop carries a finished sum home, where it is rounded to k's dtype: rounded before it leaves,
-            # it arrives the same and moves half the bytes of fp32 (bf16, fp16) on the one hop no compute hides
-            sending = dkv.to(k.dtype) if step == world - 1 and k.element_size() < dkv.element_size() else dkv
-            received = torch.empty_like(sending)
-            grad_requests = _exchange(sending, received, next_rank, previous_rank, group, _GRAD_TAG)
+        blocks = _blocks(step, rank, source, world, layout, causal, length)
+        if step == 0:
+            attend(step, source, kv, blocks, own)
+        elif step < world - 1:
+            acc = torch.zeros(kv_shape, **fp32)
+            attend(step, source, kv, blocks, acc)
+            for request in chain_requests:
+                request.wait()
+            if received is not None:
+                acc += received
+            received = torch.empty_like(acc)
+            chain_requests = _exchange([acc], [received], next_rank, previous_rank, group, _GRAD_TAG)
+        else:  # the last step: the other ranks' shares of the shard in hand go home, in k's dtype
+            acc = torch.zeros(kv_shape, **fp32)
+            attend(step, source, kv, blocks, acc)
+            for request in chain_requests:
+                request.wait()
+            chain_requests = []
+            going = _returned_rows(source, world, layout, causal, length)
+            sends = []
+            if going.stop > going.start:
+                total = acc[:, :, :, going, :d]
+                if received is not None:
+                    total = total + received[:, :, :, going, :d]
+                sends = [total.to(k.dtype).contiguous()]
+            receives = []
+            if coming.stop > coming.start:
+                receives = [torch.empty((*kv_shape[:3], coming.stop - coming.start, d), dtype=k.dtype,
+                                        device=q.device)]
+            home = _exchange(sends, receives, next_rank, previous_rank, group, _GRAD_TAG), receives
         for request in kv_requests:
             request.wait()
         if step < world - 1:
             kv = incoming
-    for request in grad_requests:
+    for request in chain_requests + home[0]:
         request.wait()
-    dkv = received if world > 1 else dkv  # this rank's own shard's gradient, summed over every rank
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    for buffer in home[1]:
+        own[:, :, :, coming, :d] += buffer
+    return dq[..., :d].to(q.dtype), own[0][..., :d].to(k.dtype), own[1][..., :d].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):

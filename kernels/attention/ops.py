@@ -247,7 +247,7 @@ def _splits_96(tile, block_d: int, d: int) -> bool:
     return bool(tile.split_96 and block_d == 128 and d <= 96)
 
 
-def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
+def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float, persistent: bool = True):
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
     t = configs.hopper_forward_tile(bd, sq, left, right, sk)
@@ -259,7 +259,7 @@ def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float):
     # without a band every tile does; under a causal mask (or a right edge alone) a head's i-th longest and i-th
     # shortest query blocks together do (PAIRED). A left edge leaves tiles that differ otherwise: one program per
     # tile, balanced by the hardware's dispatch.
-    persistent = t.persistent and not band_flags["HAS_LEFT"]
+    persistent = persistent and t.persistent and not band_flags["HAS_LEFT"]
     paired = persistent and band_flags["HAS_RIGHT"]
     items = (cdiv(tiles_m, 2) if paired else tiles_m) * b * hq
     grid = (min(items, t.programs_per_sm * configs.sm_count(q.device)) if persistent else tiles_m * b * hq,)
@@ -310,11 +310,12 @@ def _key_grid(key_blocks: int, heads: int, left: int, right: int, device: torch.
 def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right: int, scale: float,
                        drop: tuple = _NO_DROPOUT, dq_kernel: bool = False, dkv_acc: tuple | None = None,
                        group_parts: int = 1):
-    """The Hopper backward: dK, dV written in place, or with ``group_parts`` programs per key block of a GQA group
-    (``configs.hopper_group_parts``) summed into ``dkv_acc`` (dK's and dV's fp32 accumulators, (B, Hkv, Sk, padded
-    D), zeroed by the preprocess kernel); dQ summed into ``dq_out`` ((B, Hq, Sq, padded D) fp32, zeroed by the
-    preprocess kernel), or with ``dq_kernel`` written into ``dq_out`` (q's shape, dtype and layout) by a kernel of
-    its own; ``drop`` as ``_dropout_args`` gives it."""
+    """The Hopper backward: dK, dV written in place, or added into ``dkv_acc`` (dK's and dV's fp32 accumulators,
+    (B, Hkv, Sk, padded D): zeroed by the preprocess kernel where ``group_parts`` programs per key block of a GQA
+    group sum into them, ``configs.hopper_group_parts``, or holding a ring step's earlier blocks); dQ added into
+    ``dq_out`` ((B, Hq, Sq, padded D) fp32, zeroed by the preprocess kernel or holding earlier blocks), or with
+    ``dq_kernel`` written into ``dq_out`` (q's shape, dtype and layout) by a kernel of its own; ``drop`` as
+    ``_dropout_args`` gives it."""
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
     t = configs.HOPPER_BACKWARD[bd]
@@ -353,7 +354,8 @@ def _launch_bwd_hopper(do, q, k, v, lse, delta, dq_out, dk, dv, left: int, right
         lse, delta, lse.stride(0), lse.stride(1), hkv, hq // hkv, sq, sk, scale, *band, *drop_args, **band_flags,
         **drop_flags, BLOCK_D=bd, STAGES=t.stages, CONSUMER_REGS=regs[0], PRODUCER_REGS=regs[1],
         DQ_TURNS=t.dq_turns, WRITE_DQ=not dq_kernel, D_SPLIT=_splits_96(t, bd, d),
-        KEY_MAJOR=key_major, GROUP_PARTS=group_parts, num_warps=4, maxnreg=t.maxnreg,
+        KEY_MAJOR=key_major, GROUP_PARTS=group_parts, REDUCE_DKDV=dkv_acc is not None, num_warps=4,
+        maxnreg=t.maxnreg,
     )
     if dq_kernel:
         _launch_bwd_hopper_dq(do, q, k, v, lse, delta, dq_out, scale, band, band_flags)
@@ -523,8 +525,11 @@ def _seed_tensor(seed: Seed) -> torch.Tensor | None:
 
 
 def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0.0, seed: Seed = 0, varlen=None, *,
-              traceable=False):
+              traceable=False, beside_transfer=False):
     """``(o, lse)``: o laid out as q (``_output_strides``); lse (B, Hq, Sq), or (Hq, total_q) when packed.
+    ``beside_transfer``: another kernel (a transfer) runs beside this one, so the Hopper forward takes one program per
+    tile, whose dispatch gives the SMs it holds fewer tiles, rather than persistent programs, whose static deal would
+    end with the programs it kept waiting.
 
     An eager dense call replays the launches recorded by the first call with the same signature
     (``kernels._common.launch.Recording``): a few us of host time instead of building ~40 arguments anew."""
@@ -553,19 +558,20 @@ def _fwd_impl(q, k, v, left: int, right: int, scale: float, dropout_p: float = 0
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
-    signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable)
+    signature = _eager_signature(q, k, v, left, right, scale, dropout_p, seed, varlen, traceable, beside_transfer)
     launch_or_replay(_FORWARD_CALLS, signature, (q, k, v, o, lse, _seed_tensor(seed), *_cu_tensors(varlen)),
                      lambda: _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable,
-                                           dims),
+                                           dims, beside_transfer),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
     return o, lse
 
 
-def _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable, dims) -> None:
+def _fwd_launches(q, k, v, o, lse, left, right, scale, dropout_p, seed, varlen, traceable, dims,
+                  beside_transfer=False) -> None:
     """The forward's launches: the Hopper kernel where it takes the call, else the portable one (``dims``: the
     call's ``_dims``)."""
     if not traceable and uses_hopper_forward(q, k, v, dropout_p, varlen, left=left, right=right):
-        _launch_fwd_hopper(q, k, v, o, lse, left, right, scale)
+        _launch_fwd_hopper(q, k, v, o, lse, left, right, scale, persistent=not beside_transfer)
         return
     _, _, _, sq, _, d = dims
     cfg = configs.launch_config("fwd", d, q.dtype, left, right, sq, dropout=dropout_p > 0)
@@ -638,6 +644,61 @@ def _bwd_impl(do, q, k, v, o, lse, left: int, right: int, scale: float, dropout_
                                            varlen, traceable, dims),
                      _seed_words(dropout_p, seed) if signature else (), SEED_WORD_PARAMETERS)
     return dq, dk, dv
+
+
+def accumulates_in_kernel(do, q, k, v, dq_acc, dk_acc, dv_acc) -> bool:
+    """Whether :func:`_bwd_accumulate` on these tensors has the Hopper backward add into the accumulators itself:
+    the call takes the Hopper backward with dQ by reductions (head dims 64 and 128, not split 64 + 32) and TMA can
+    write the accumulators in place."""
+    if not uses_hopper_backward(q, k, v, do):
+        return False
+    d = q.shape[-1]
+    bd = configs.block_d(d)
+    return (bd in (64, 128) and not configs.takes_hopper_dq_kernel(bd, False)
+            and not _splits_96(configs.HOPPER_BACKWARD[bd], bd, d)
+            and all(acc.dtype == torch.float32 and acc.shape[-1] == bd and _tma_ready(acc)
+                    for acc in (dq_acc, dk_acc, dv_acc)))
+
+
+def row_deltas(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor | None:
+    """``rowsum(dO * O)`` (B, H, S) fp32 by the backward's preprocess kernel, for :func:`_bwd_accumulate` calls on
+    row ranges of ``o``; None where the blocks take the twin (which computes its own)."""
+    if backend_for(o) == "reference" or interpreter_needs_fp32(o) or nothing_to_launch(o):
+        return None
+    delta = torch.empty(o.shape[:3], device=o.device, dtype=torch.float32)
+    _launch_bwd_preprocess(o, do, delta)
+    return delta
+
+
+def _bwd_accumulate(do, q, k, v, o, lse, left: int, right: int, scale: float, dq_acc, dk_acc, dv_acc, *,
+                    delta=None) -> None:
+    """Adds the gradients of one attention block (no dropout, dense) to fp32 accumulators: ``dq_acc`` (B, Hq, Sq,
+    W) and ``dk_acc``, ``dv_acc`` (B, Hkv, Sk, W), W = ``configs.block_d(D)``; columns past D are left as they are.
+    A block of a sum (a ring step of context-parallel attention, a key range of a block) then costs no zeroing, cast
+    or addition pass of its own: where :func:`accumulates_in_kernel` holds, the Hopper backward adds dQ, dK and dV by
+    TMA reductions straight into them; elsewhere the block's gradients are computed as :func:`_bwd_impl` does and
+    added. ``lse`` is the block's rows' log-sum-exp of the whole attention (the merged one), ``o`` its output;
+    ``delta``, when given, their ``rowsum(dO * O)`` (:func:`row_deltas`), else computed here."""
+    d = q.shape[-1]
+    if not lse.is_contiguous():  # the kernels index delta, allocated contiguous below, with lse's strides
+        lse = lse.contiguous()
+    if q.numel() == 0 or k.shape[2] == 0:
+        return
+    if not accumulates_in_kernel(do, q, k, v, dq_acc, dk_acc, dv_acc):
+        dq, dk, dv = _bwd_impl(do, q, k, v, o, lse, left, right, scale)
+        dq_acc[..., :d] += dq
+        dk_acc[..., :d] += dk
+        dv_acc[..., :d] += dv
+        return
+    if delta is None:
+        delta = torch.empty_like(lse)
+        _launch_bwd_preprocess(o, do, delta)
+    elif not delta.is_contiguous():  # indexed with lse's strides
+        delta = delta.contiguous()
+    group_parts = configs.hopper_group_parts(q.shape[1] // k.shape[1], configs.block_d(d), False, False, False, left,
+                                             right)
+    _launch_bwd_hopper(do, q, k, v, lse, delta, dq_acc, None, None, left, right, scale, dkv_acc=(dk_acc, dv_acc),
+                       group_parts=group_parts)
 
 
 #: Whether a backward signature (:func:`_eager_signature` with dO's and O's strides and ``deterministic``) and the
