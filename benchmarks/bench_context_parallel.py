@@ -3,7 +3,8 @@ context parallelism.
 
 Points: B 1, H 32, D 128, causal, bf16, total sequence lengths 32k to 512k split over every GPU of the host (W
 ranks, one process each, NCCL), zigzag layout; forward, and forward + backward. Providers, each timed on every rank
-(the slowest rank's median counts):
+(the slowest rank's median counts), each in W processes of its own (spawned anew per provider: a provider's calls
+never run in a process that another provider's left its state in):
 
 - ``ours``: :func:`kernels.attention.context_parallel_attention` on this rank's shard;
 - ``torch-cp-<backend>``: ``F.scaled_dot_product_attention`` inside PyTorch's
@@ -125,7 +126,10 @@ def _attention_call(fn, tensors, backward: bool):
     return run
 
 
-def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+def _worker(rank: int, world: int, init_file: str, out_file: str, provider: str) -> None:
+    """One provider's points (every length, both directions) in processes of its own, so that no provider times its
+    calls in a process another left its state in (PyTorch's context parallelism sets up a device mesh and dispatches
+    SDPA through its own path; allocator pools and communicators differ)."""
     import kernels._mode  # noqa: F401  (CUDA or the interpreter, before triton is imported)
 
     # isort: split
@@ -142,7 +146,7 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, **({"device_id": device} if cuda else {}))
     mesh = None
-    if cuda and PEERS:
+    if provider.startswith("torch-cp-"):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cuda", (world,))
@@ -151,30 +155,28 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
         reps = _repetitions(length)
         for backward in (False, True):
             direction = "fwd+bwd" if backward else "fwd"
-            times = {}
-            whole = _whole(length, device, seed=length)
-            times["single"] = _timed(_attention_call(lambda q, k, v: flash_attention(q, k, v, causal=True),
-                                                     whole, backward), reps, device)
-            shards = [shard_sequence(t, 2) for t in whole]
-            del whole
-            ours = _attention_call(lambda q, k, v: context_parallel_attention(q, k, v, causal=True), shards, backward)
-            times["ours"] = _timed(ours, reps, device)
-            if PROFILE_DIR:
-                tokens = f"{length // 1024}k" if length >= 1024 else str(length)
-                _profile(ours, Path(PROFILE_DIR) / f"cp-profile-{tokens}-{direction}-rank{rank}.txt")
-            del shards, ours
-            for backend in PEERS:
-                times[f"torch-cp-{backend}"] = _torch_context_parallel(mesh, backend, length, backward, reps,
-                                                                      device, F)
+            if provider == "single":
+                seconds = _timed(_attention_call(lambda q, k, v: flash_attention(q, k, v, causal=True),
+                                                 _whole(length, device, seed=length), backward), reps, device)
+            elif provider == "ours":
+                shards = [shard_sequence(t, 2) for t in _whole(length, device, seed=length)]
+                ours = _attention_call(lambda q, k, v: context_parallel_attention(q, k, v, causal=True), shards,
+                                       backward)
+                seconds = _timed(ours, reps, device)
+                if PROFILE_DIR:
+                    tokens = f"{length // 1024}k" if length >= 1024 else str(length)
+                    _profile(ours, Path(PROFILE_DIR) / f"cp-profile-{tokens}-{direction}-rank{rank}.txt")
+                del shards, ours
+            else:
+                seconds = _torch_context_parallel(mesh, provider.removeprefix("torch-cp-"), length, backward, reps,
+                                                  device, F)
             if cuda:
                 torch.cuda.empty_cache()
-            for provider, seconds in times.items():
-                if seconds is not None:
-                    measured.append({"provider": provider, "direction": direction, "S": length,
-                                     "ms": 1e3 * seconds})
+            if seconds is not None:
+                measured.append({"provider": provider, "direction": direction, "S": length, "ms": 1e3 * seconds})
             if rank == 0:
-                print(f"S={length} {direction}: " + ", ".join(
-                    f"{p} {1e3 * t:.1f} ms" if t is not None else f"{p} -" for p, t in times.items()), flush=True)
+                print(f"S={length} {direction}: {provider} " + (f"{1e3 * seconds:.1f} ms" if seconds else "-"),
+                      flush=True)
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(measured, f)
@@ -230,11 +232,13 @@ def _keep_earlier_points(recorder: Recorder, earlier: Path) -> None:
 
 @pytest.mark.skipif(not SMOKE and WORLD < 2, reason="context parallelism needs 2 or more GPUs of one host")
 def test_context_parallel(ceilings):
+    measured = []
     with tempfile.TemporaryDirectory() as folder:
-        out_file = os.path.join(folder, "records.json")
-        spawn_ranks(_worker, WORLD, out_file)
-        with open(out_file) as f:
-            measured = json.load(f)
+        for provider in ["single", "ours", *(f"torch-cp-{backend}" for backend in PEERS)]:
+            out_file = os.path.join(folder, f"{provider}.json")
+            spawn_ranks(_worker, WORLD, out_file, provider)
+            with open(out_file) as f:
+                measured += json.load(f)
     recorder = Recorder(ceilings=ceilings)
     single = {(m["direction"], m["S"]): m["ms"] for m in measured if m["provider"] == "single"}
     for m in measured:
