@@ -214,8 +214,8 @@ def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layou
 
     delta = row_deltas(o, do)  # rowsum(dO * O): every block of every step needs its rows' share
 
-    def attend(step, source, kv, blocks, acc):
-        """Add the gradients of ``blocks`` (shard ``source``'s K/V in hand) into dq and ``acc`` (dK, dV)."""
+    def attend(kv, blocks, acc):
+        """Add the gradients of ``blocks`` (the K/V shard ``kv`` in hand) into dq and ``acc`` (dK, dV)."""
         for rows, keys, block_causal in blocks:
             _bwd_accumulate(do[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], o[:, :, rows],
                             lse[:, :, rows], -1, 0 if block_causal else -1, scale, dq[:, :, rows], acc[0][:, :, keys],
@@ -224,14 +224,13 @@ def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layou
     # Step 0: the local blocks, whose K/V gradient stays here. Steps 1 .. W-1: the shard in hand belongs to another
     # rank; the sum of the other ranks' shares of a shard follows it round the ring one step behind (a rank adds its
     # share to what the shard's earlier holders sent during this step's compute and sends it on during the next);
-    # the last holder sends the rows the sum touches home in k's dtype, after its compute. Sending it in pieces, the
-    # first beside the last compute, measured slower on two H200s: the transfer kernel holds SMs that compute
-    # needed, most of all while it waits for a peer that is behind.
+    # the last holder sends the rows the sum touches home in k's dtype once its compute is done (sent in pieces
+    # beside the last compute, it cost that compute more than it hid: TUNING.md).
     own = torch.zeros(kv_shape, **fp32)
     kv = (k.contiguous(), v.contiguous())
     received, chain_requests = None, []
     coming = _returned_rows(rank, world, layout, causal, length)
-    home = [], []
+    home_requests, home_buffer = [], None
     for step in range(world):
         kv_requests = []
         if step < world - 1:  # the next shard comes in while this one's gradients are computed
@@ -240,42 +239,34 @@ def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layou
         source = (rank - step) % world
         blocks = _blocks(step, rank, source, world, layout, causal, length)
         if step == 0:
-            attend(step, source, kv, blocks, own)
-        elif step < world - 1:
+            attend(kv, blocks, own)
+        else:
             acc = torch.zeros(kv_shape, **fp32)
-            attend(step, source, kv, blocks, acc)
+            attend(kv, blocks, acc)
             for request in chain_requests:
                 request.wait()
             if received is not None:
                 acc += received
-            received = torch.empty_like(acc)
-            chain_requests = _exchange([acc], [received], next_rank, previous_rank, group, _GRAD_TAG)
-        else:  # the last step: the other ranks' shares of the shard in hand go home, in k's dtype
-            acc = torch.zeros(kv_shape, **fp32)
-            attend(step, source, kv, blocks, acc)
-            for request in chain_requests:
-                request.wait()
-            chain_requests = []
-            going = _returned_rows(source, world, layout, causal, length)
-            sends = []
-            if going.stop > going.start:
-                total = acc[:, :, :, going, :d]
-                if received is not None:
-                    total = total + received[:, :, :, going, :d]
-                sends = [total.to(k.dtype).contiguous()]
-            receives = []
-            if coming.stop > coming.start:
-                receives = [torch.empty((*kv_shape[:3], coming.stop - coming.start, d), dtype=k.dtype,
-                                        device=q.device)]
-            home = _exchange(sends, receives, next_rank, previous_rank, group, _GRAD_TAG), receives
+            if step < world - 1:  # the others' shares so far, on to the shard's next holder
+                received = torch.empty_like(acc)
+                chain_requests = _exchange([acc], [received], next_rank, previous_rank, group, _GRAD_TAG)
+            else:  # home, to the shard's owner: the rows they touch, in k's dtype
+                chain_requests = []
+                going = _returned_rows(source, world, layout, causal, length)
+                sends = [acc[:, :, :, going, :d].to(k.dtype).contiguous()] if going.stop > going.start else []
+                if coming.stop > coming.start:
+                    home_buffer = torch.empty((*kv_shape[:3], coming.stop - coming.start, d), dtype=k.dtype,
+                                              device=q.device)
+                home_requests = _exchange(sends, [] if home_buffer is None else [home_buffer], next_rank,
+                                          previous_rank, group, _GRAD_TAG)
         for request in kv_requests:
             request.wait()
         if step < world - 1:
             kv = incoming
-    for request in chain_requests + home[0]:
+    for request in home_requests:
         request.wait()
-    for buffer in home[1]:
-        own[:, :, :, coming, :d] += buffer
+    if home_buffer is not None:
+        own[:, :, :, coming, :d] += home_buffer
     return dq[..., :d].to(q.dtype), own[0][..., :d].to(k.dtype), own[1][..., :d].to(v.dtype)
 
 
