@@ -144,7 +144,8 @@ def _check_shapes(q, k, v, group) -> None:
     shapes = torch.tensor([*q.shape, *k.shape, *v.shape], dtype=torch.int64)
     both = torch.cat([shapes, -shapes]).to(q.device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    top, bottom = both[: shapes.numel()].cpu(), -both[shapes.numel():].cpu()
+    both = both.cpu()  # one synchronisation
+    top, bottom = both[: shapes.numel()], -both[shapes.numel():]
     if not torch.equal(top, bottom):
         raise ValueError(f"context-parallel shards must have one shape on every rank; this rank's q, k, v are "
                          f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}, and other ranks' differ")
