@@ -264,11 +264,12 @@ def _ring_backward(do, q, k, v, o, lse, group, causal: bool, scale: float, layou
             request.wait()
         if step < world - 1:
             kv = incoming
+    dq = dq[..., :d].to(q.dtype)  # enqueued before the wait below: it runs while the last hop is in flight
     for request in home_requests:
         request.wait()
     if home_buffer is not None:
         own[:, :, :, coming, :d] += home_buffer
-    return dq[..., :d].to(q.dtype), own[0][..., :d].to(k.dtype), own[1][..., :d].to(v.dtype)
+    return dq, own[0][..., :d].to(k.dtype), own[1][..., :d].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
