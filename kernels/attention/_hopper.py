@@ -14,9 +14,9 @@ head)):
   runs beside the second; one whose rows all lie past Sq computes nothing;
 - registers (``configs.HOPPER_FORWARD``): the producer's warpgroup keeps 24 per thread; two consumers of 240 at
   D 128 and at D 256 (64-key blocks, O staged in the consumer's own Q tile: ``O_IN_Q``), three of 160 at D 64;
-- **persistent** (``PERSISTENT``, no left band edge): programs take work items round robin, the ring and its barrier
-  phases running on across tiles; under a causal mask an item pairs a head's i-th longest and i-th shortest query
-  blocks (``PAIRED``), so that every item costs the same;
+- **persistent** (``PERSISTENT``: no left band edge, not launched beside a transfer, ``beside_transfer``): programs take
+  work items round robin, the ring and its barrier phases running on across tiles; under a causal mask an item pairs a
+  head's i-th longest and i-th shortest query blocks (``PAIRED``), so that every item costs the same;
 - shorter calls take tiles of their own (``configs.HOPPER_FORWARD_SHORT``, ``configs.HOPPER_FORWARD_SHORT_CAUSAL``):
   two persistent consumers at D 64, one consumer with three programs per SM for short causal D 64, 64-key blocks for
   short causal D 128; head dims 65-96 (``D_SPLIT``) run the 128-column tiles over 64 + 32 columns.
