@@ -674,8 +674,8 @@ def _bwd_accumulate(do, q, k, v, o, lse, left: int, right: int, scale: float, dq
                     delta=None) -> None:
     """Adds the gradients of one attention block (no dropout, dense) to fp32 accumulators: ``dq_acc`` (B, Hq, Sq,
     W) and ``dk_acc``, ``dv_acc`` (B, Hkv, Sk, W), W = ``configs.block_d(D)``; columns past D are left as they are.
-    A block of a sum (a ring step of context-parallel attention, a key range of a block) then costs no zeroing, cast
-    or addition pass of its own: where :func:`accumulates_in_kernel` holds, the Hopper backward adds dQ, dK and dV by
+    A block of a sum (the blocks of context-parallel attention's ring steps) then costs no zeroing, cast or addition
+    pass of its own: where :func:`accumulates_in_kernel` holds, the Hopper backward adds dQ, dK and dV by
     TMA reductions straight into them; elsewhere the block's gradients are computed as :func:`_bwd_impl` does and
     added. ``lse`` is the block's rows' log-sum-exp of the whole attention (the merged one), ``o`` its output;
     ``delta``, when given, their ``rowsum(dO * O)`` (:func:`row_deltas`), else computed here."""
