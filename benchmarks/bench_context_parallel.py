@@ -20,7 +20,8 @@ ranks on CPUs run a tiny point of ours and the reference (PyTorch's context para
 Knobs: ``FUSED_KERNELS_CP_LENGTHS`` (comma-separated, in thousands of tokens: a run keeps the earlier run's points it
 does not measure, so the lengths can be split over several calls), ``FUSED_KERNELS_CP_PEERS`` (comma-separated SDPA
 backends, default ``flash,cudnn,efficient``), ``FUSED_KERNELS_CP_PROFILE`` (a folder: each rank's kernel times of
-one call of ours per point). On 2 H100s the lengths to 256k took ~7 minutes with two peers.
+one call of ours per point). On 2 H200s 32k-128k took 6 minutes with two peers; 256k 1.5 and 512k 3 minutes with
+cuDNN alone.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def _causal_flops(length: int, backward: bool) -> float:
 
 
 def _whole(length: int, device, *, seed: int):
-    """q, k, v and the output gradient of the whole sequence, the same on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, HEADS, length, HEAD_DIM, generator=g, dtype=torch.float32).to(device, DTYPE)
+    """q, k, v and the output gradient of the whole sequence, the same on every rank: drawn on the device (the CPU's
+    generator took tens of seconds per call at 256k tokens and more, longer than the timed runs)."""
+    g = torch.Generator(device).manual_seed(seed)
+    return [torch.randn(1, HEADS, length, HEAD_DIM, generator=g, dtype=torch.float32, device=device).to(DTYPE)
             for _ in range(4)]
 
 
