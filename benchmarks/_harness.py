@@ -324,6 +324,11 @@ RATIO_PEERS: dict[str, tuple[str, ...]] = {
 
 #: The provider that is ours in a family's table, where it is not named "ours"
 OURS_PROVIDER: dict[str, str] = {"transformers": "fused-kernels"}
+#: families whose benchmark times its calls otherwise than with CUDA events (the table's header says how)
+FAMILY_TIMING: dict[str, str] = {
+    "attention-cp": "wall clock between device synchronisations, every rank starting each call together, the "
+                    "slowest rank's median",
+}
 
 
 def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras: Sequence[str] = ()) -> str:
@@ -349,7 +354,8 @@ def markdown_table(family: str, records: list[dict], ceilings: Ceilings, extras:
         ceiling = f"{ceilings.copy_gbps:.0f} GB/s copy"
     else:
         ceiling = f"{ceilings.matmul_tflops:.0f} TFLOP/s bf16 matmul"
-    timing = "smoke mode: these timings mean nothing" if SMOKE else "CUDA events, median, L2 flushed"
+    timing = "smoke mode: these timings mean nothing" if SMOKE else FAMILY_TIMING.get(
+        family, "CUDA events, median, L2 flushed")
     if metric == "tokens_per_s":  # whole models: their own timing, no ceiling
         ceiling, timing = "none (whole-model throughput)", "CUDA events, median" if not SMOKE else timing
     lower = metric in _LOWER_IS_BETTER

@@ -67,6 +67,16 @@ def test_markdown_table_has_a_ratio_column_for_each_named_peer(monkeypatch):
     assert "| 4.000x | 2.00x | 100% |" in next(line for line in table.splitlines() if line.startswith("| fwd"))
 
 
+def test_a_family_timed_otherwise_says_so_in_its_header(monkeypatch):
+    import benchmarks._harness as harness
+
+    rec = _recorder()
+    monkeypatch.setattr(harness, "SMOKE", False)
+    monkeypatch.setitem(harness.FAMILY_TIMING, "toy", "wall clock, slowest rank")
+    assert "wall clock, slowest rank." in markdown_table("toy", rec.records, rec.ceilings)
+    assert "CUDA events, median, L2 flushed." in markdown_table("other", rec.records, rec.ceilings)
+
+
 def test_a_family_of_its_own_in_ratio_peers_overrides_its_first_word(monkeypatch):
     import benchmarks._harness as harness
 
