@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import torch
 
+import kernels._native as native_tier
 from benchmarks._harness import interleaved_medians
 
 
@@ -263,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--widths", default="256,1024,4096,8192,16384,65536")
     args = parser.parse_args(argv)
     variants = _variants(args)
+    # the compiled tier (on unless FUSED_KERNELS_NATIVE=0) built now: else it is built beside the first variants'
+    # calls, and the calls made before it is ready take the Python path, those after it the tier
+    native_tier.prepare()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: medians of {args.rounds} alternating "
           f"rounds; (ratio) = first variant's time / this variant's")
     (_attention if args.family == "attention" else _layernorm)(args, variants)

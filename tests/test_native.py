@@ -928,3 +928,70 @@ def test_native_attention_varlen_equals_the_python_path_bit_for_bit(native, monk
     for got, expected in zip(compiled, python, strict=True):
         for name, a, e in zip(("o", "lse", "dq", "dk", "dv"), got, expected, strict=True):
             assert torch.equal(a, e), name
+
+
+def test_a_plan_key_holds_the_kernel_path_and_the_hopper_tables():
+    """The compiled tier keeps one program per plan, holding one path's launches (and, for attention, one set of
+    Hopper tiles): a call under another path or other tiles must not find the plan, and so the program, of a call
+    made before (``configs.forced_path`` and ``configs.hopper_tiles`` after a call; the A/B tools and the tests that
+    compare one path with the other rely on it)."""
+    import kernels.attention.ops as attention_ops
+    import kernels.layernorm.ops as layernorm_ops
+    from kernels.attention import configs as attention_configs
+    from kernels.layernorm import configs as layernorm_configs
+    from kernels.layernorm import layer_norm
+
+    q = torch.randn(1, 2, 16, 16, device=DEVICE)
+    args = (q, q, q, True, None, 0.0, (-1, -1), False)
+    auto = attention_ops._plan_key(*args)
+    with attention_configs.forced_path("portable"):
+        portable = attention_ops._plan_key(*args)
+    tiles = {128: attention_configs.HOPPER_FORWARD[128]._replace(stages=3)}
+    with attention_configs.hopper_tiles(forward=tiles):
+        other_tiles = attention_ops._plan_key(*args)
+    assert len({auto, portable, other_tiles}) == 3
+    assert attention_ops._plan_key(*args) == auto  # the same path and tables again: the same plan
+
+    x = torch.randn(4, 32, device=DEVICE)
+    plans = layernorm_ops._NORM_PLANS._entries
+    plans.clear()
+    layer_norm(x, (32,))
+    with layernorm_configs.forced_path("portable"):
+        layer_norm(x, (32,))
+    layer_norm(x, (32,))
+    assert len(plans) == 2
+
+
+@pytest.mark.cuda
+def test_native_attention_follows_a_path_switched_after_its_program_was_built(native, monkeypatch):
+    """A plan's calls run through its program (built on the plan's second call); switching the kernel path or the
+    Hopper tiles afterwards must run the other launches, not replay the program built before: the calls here equal
+    the Python path's under each switch, and the two paths' outputs differ (so that replaying the wrong program
+    would show)."""
+    from kernels.attention import configs, flash_attention
+
+    if not configs.is_hopper(torch.device(DEVICE)):
+        pytest.skip("needs an sm_90 GPU: the paths are the same kernels elsewhere")
+    monkeypatch.setattr(native_tier, "NATIVE", True)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 8, 1024, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+
+    def calls(path, tiles=None):
+        with configs.forced_path(path), configs.hopper_tiles(forward=tiles):
+            return [flash_attention(q, k, v, causal=True) for _ in range(3)]
+
+    expected = {}
+    with native_tier.switched(False):
+        for path in ("hopper", "portable"):
+            expected[path] = calls(path)[0]
+    assert not torch.equal(expected["hopper"], expected["portable"])
+    for path in ("hopper", "portable", "hopper"):
+        for o in calls(path):
+            assert torch.equal(o, expected[path]), path
+    # other Hopper tiles: a forward on 64-key blocks equals its own Python-path call, not the 128-key program's
+    tiles = {128: configs.HOPPER_FORWARD[128]._replace(block_n=64, stages=3)}
+    with native_tier.switched(False):
+        other = calls("hopper", tiles)[0]
+    assert not torch.equal(other, expected["hopper"])
+    for o in calls("hopper", tiles):
+        assert torch.equal(o, other)

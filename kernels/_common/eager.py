@@ -10,6 +10,9 @@ and later calls with the same key take the plan without checking again. The key 
 the derived values read: each tensor argument's type, shape, dtype, device and ``requires_grad``, every other
 argument with its type (``True == 1`` in a dict key; the checks refuse a bool where a number is due), the grad
 mode and the autocast state. A call whose arguments the checks refuse stores no plan, so it raises every time.
+The kernel-path switch of a family that has one (attention, layernorm) is in the key too, and for attention the
+Hopper tables' version: no check reads them, but the compiled tier (``kernels._native``) runs a plan's calls through
+one program, which holds one path's launches and one set of tiles.
 Values that change per call (the seed) are not in the key and are checked per call; flags that are not plain bools
 (read with ``bool()``) and windows that are not tuples of ints take the checks every time (:func:`plannable`).
 

@@ -109,6 +109,23 @@ def is_fake(t: torch.Tensor) -> bool:
 #: the values of a family's kernel-path switch (:func:`kernel_path`)
 KERNEL_PATHS = ("auto", "hopper", "portable")
 
+#: what ``os.environ`` reads and writes on POSIX (bytes names and values); elsewhere None
+_ENVIRON_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENCODED_NAMES: dict[str, bytes] = {}
+
+
+def kernel_path_token(env: str):
+    """The raw value of kernel-path switch ``env`` (None when unset), for cache keys: an eager call's plan key holds it,
+    because the compiled tier keeps one program per plan and a program holds one path's launches. Read in tens of
+    nanoseconds where :func:`kernel_path` takes about a microsecond when the variable is unset (``os.environ.get``
+    raises and catches a KeyError), which every eager call would pay."""
+    if _ENVIRON_DATA is None:
+        return os.environ.get(env)
+    name = _ENCODED_NAMES.get(env)
+    if name is None:
+        name = _ENCODED_NAMES[env] = os.fsencode(env)
+    return _ENVIRON_DATA.get(name)
+
 
 def kernel_path(env: str) -> str:
     """The kernel path that environment variable ``env`` asks for now (``auto`` when unset); read at each call,

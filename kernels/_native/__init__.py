@@ -28,6 +28,11 @@ and each op keeps, per checked plan, the program its calls last ran through (:fu
 that plan hands its tensors straight to the extension's ``call``, which checks the rest in C++ (strides, the current
 stream, graph capture) and runs it, or declines and the op looks its program up on the Python side as at first.
 
+A program holds the launches of the kernel path and the launch tables in force when it was built; the plan keys hold
+the path switch and the Hopper tables' version (``kernels._common.eager``), and the other table overrides empty
+every cache (``forget_recorded_launches``) or keep their calls off the tier, so a call under other settings never
+replays it.
+
 Limits: what recorded launches cannot replay (clusters, programmatic launch, kernels with scratch memory) has no
 program; a program is built for one op signature (strides included) on one stream, and every other call takes the
 Python path, as do calls under CUDA graph capture, with launch hooks installed, or with tensors off 16-byte

@@ -51,6 +51,7 @@ from kernels._common.launch import (
 )
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.opaque import opaque_op
+from kernels._common.runtime import kernel_path_token
 from kernels._common.seed import (
     SEED_WORD_PARAMETERS,
     Seed,
@@ -1096,13 +1097,16 @@ def _native_attention_program(q, k, v, plan: _AttentionPlan, needs_grad: bool, v
 
 def _plan_key(q, k, v, causal, softmax_scale, dropout_p, window_size, deterministic) -> tuple | None:
     """What the checks of a ``flash_attention`` call read (``kernels._common.eager``), or None (no plan) for a
-    window that is not a tuple of two plain ints. The strides are not in it: the checks do not read them."""
+    window that is not a tuple of two plain ints. The strides are not in it: the checks do not read them. The kernel
+    path and the Hopper tables are, though no check reads them: the compiled tier runs a plan's calls through one
+    program, which holds the launches of one path and one set of tiles (``configs.forced_path`` or
+    ``configs.hopper_tiles`` after a call must not replay the launches made before)."""
     if type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int or type(
             window_size[1]) is not int:
         return None
     return (tensor_key(q), tensor_key(k), tensor_key(v), causal, softmax_scale, type(softmax_scale), dropout_p,
             type(dropout_p), window_size, deterministic, torch.is_grad_enabled(), autocast_key("cuda"),
-            autocast_key("cpu"))
+            autocast_key("cpu"), kernel_path_token(configs.PATH_ENV), configs.hopper_tables_version)
 
 
 def _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:

@@ -52,7 +52,7 @@ from kernels._common.launch import (
 )
 from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.opaque import opaque_op
-from kernels._common.runtime import INTERPRETER, is_hopper
+from kernels._common.runtime import INTERPRETER, is_hopper, kernel_path_token
 from kernels._common.seed import SEED_WORD_PARAMETERS, Seed
 from kernels._native import Refs
 from kernels._native import active as native_active
@@ -533,8 +533,10 @@ def _norm(x, normalized_shape, weight, bias, eps, is_rms: bool, deterministic):
     plans = plans_apply()
     key = None
     if plans and type(deterministic) is bool:
+        # the kernel path too: the compiled tier runs a plan's calls through one program, holding one path's launches
         key = (tensor_key(x), normalized_shape, type(normalized_shape), tensor_key(weight), tensor_key(bias), eps,
-               type(eps), is_rms, deterministic, torch.is_grad_enabled(), autocast_key("cuda"))
+               type(eps), is_rms, deterministic, torch.is_grad_enabled(), autocast_key("cuda"),
+               kernel_path_token(configs.PATH_ENV))
         plan = _NORM_PLANS.get(key)
         if plan is not None:
             if native_active():
@@ -958,7 +960,7 @@ def add_dropout_norm(x: torch.Tensor, residual: torch.Tensor | None = None, weig
     if plans and plannable(seed, training, deterministic):
         key = (tensor_key(x), tensor_key(residual), tensor_key(weight), tensor_key(bias), kind, eps, type(eps),
                dropout_p, type(dropout_p), training, residual_dtype, out_dtype, deterministic,
-               torch.is_grad_enabled(), autocast_key("cuda"))
+               torch.is_grad_enabled(), autocast_key("cuda"), kernel_path_token(configs.PATH_ENV))
         plan = _ADD_DROPOUT_NORM_PLANS.get(key)
         if plan is not None:
             if native_active():
