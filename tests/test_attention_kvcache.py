@@ -238,14 +238,23 @@ def test_lengths_past_the_capacity_are_clamped():
     assert torch.isfinite(out).all()
 
 
-def test_decode_plan_splits_from_the_gpu_and_the_shapes():
+def test_decode_plan_splits_from_the_gpu_and_the_shapes(monkeypatch):
     plan = configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132)
     assert plan.splits == 16 and plan.block_n == 128  # 128 programs in one wave over 132 SMs
-    assert configs.decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, False, 132).splits == 1  # 512 programs already
+    # several sequences: one wave of programs per key/value head shares the batch's keys
+    assert configs.decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, False, 132)[-2:] == (16, True)
+    assert configs.decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, True, 132)[-2:] == (33, True)  # paged: 2 per SM
+    # ... but not where a full cache's per-sequence splits are short (32 blocks in 8 splits), nor where a wave has no
+    # room for every head, nor in an FP8 cache
+    assert configs.decode_plan(16, 1, 16, 64, torch.bfloat16, 8192, False, 132)[-2:] == (8, False)
+    assert configs.decode_plan(2, 256, 1, 128, torch.bfloat16, 8192, False, 132)[-2:] == (1, False)
+    assert configs.decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, False, 132, fp8=True)[-2:] == (1, False)  # FP8
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 512, False, 132).splits == 1  # 4 key blocks: one split
     assert configs.decode_plan(1, 1, 1, 128, torch.bfloat16, 1 << 20, False, 132).splits == configs.DECODE_MAX_SPLITS
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 66).splits == 8
-    assert configs.decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, False, 132).splits == 5  # 120 programs, not 144
+    monkeypatch.setattr(configs, "DECODE_BALANCED_SPLITS", False)  # splits per sequence
+    assert configs._decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, False, 132).splits == 5  # 120 programs, not 144
+    assert configs._decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, False, 132).splits == 1  # 512 programs already
     # paged: 2 per SM would be 33 splits, but 256 key blocks in chunks of 8 fill 32 of them: the empty one is dropped
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, True, 132).splits == 32
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132, fp8=True).splits == 32  # FP8: 2 per SM
@@ -421,10 +430,10 @@ def test_bad_fp8_arguments_are_named(changes, error, words):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_balanced_splits_give_the_twins_result_on_ragged_batches(case, paged):
-    """Balanced splits (``DecodePlan.balanced``: each key/value head's programs cut the whole batch's key blocks into
-    splits of one size, read from the lengths on the GPU, and idle slots do nothing) on ragged batches, empty
-    sequences, windows and appends: the twin's output and log-sum-exp, and, for every split budget, the per-sequence
-    split's result."""
+    """Balanced splits (``DecodePlan.balanced``: each key/value head's ``splits * B`` programs share the batch's key
+    blocks, laid end to end, evenly, a program's share crossing sequence boundaries, read from the lengths on the
+    GPU) on ragged batches, empty sequences, windows and appends: the twin's output and log-sum-exp, and, for every
+    program count (one per sequence: shares of several short sequences), the per-sequence split's result."""
     hq, hkv, sq, seqlens, s_max, d, causal, window, _ = case
     dtype = torch.float32
     q, k_cache, v_cache, seqlens_t, k, v = _inputs(hq, hkv, sq, seqlens, s_max, d, dtype)
@@ -434,7 +443,7 @@ def test_balanced_splits_give_the_twins_result_on_ragged_batches(case, paged):
         (k_cache, table), (v_cache, _) = (paged_cache(c, 8, order) for c in (k_cache, v_cache))
     kw = {"causal": causal, "window_size": window, "block_table": table}
     ref, ref_lse, _, _ = _twin(q, k_cache, v_cache, seqlens_t, k, v, **kw)
-    for splits in (2, 5):
+    for splits in (1, 2, 5):
         results = []
         for balanced in (False, True):
             with configs.override_decode(lambda p, s=splits, bal=balanced: p._replace(splits=s, balanced=bal)):

@@ -5,38 +5,33 @@ Implements ``reference.attention.attention_with_kvcache`` (read beside it) in tw
   of each sequence, in place (through the block table when the cache is paged). One program per (token block,
   batch * key/value head); K and V in the same program. Into an FP8 cache (``QUANTIZE``) it writes the bytes of
   ``value / scale`` rounded to float8_e4m3fn as torch rounds (``_fp8_e4m3_bits``, integer arithmetic).
-- ``_kvcache_attn_kernel``: one program per (batch * key/value head, key split, row block). Its rows are the
-  queries of every query head that shares the key/value head (row ``r``: query head ``hk * GROUP + r // Sq``, query
-  ``r % Sq``), so one read of a K/V tile serves the whole GQA group instead of one read per query head. The keys
-  the sequence's queries can see, ``[lo, L)`` with ``L = cache_seqlens[b] + Sq_new``, are cut at run time into
-  ``SPLITS`` chunks of whole key blocks, so that every split of every sequence gets an equal share of that
-  sequence's own length (ragged batches included) and a short sequence leaves its last splits empty. Each program
-  streams its chunk through the forward's online softmax (base 2, ``_online_softmax_step``). Without splits it
-  writes its rows; with them (``SPLIT``) it writes them normalised, with their log-sum-exp, to fp32 partial
-  buffers and counts itself in its row block's arrivals, and the last split to arrive combines them all
-  (``_combine_splits``: ``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``; an empty split has
-  ``lse_s = -inf`` and weighs nothing) and resets the count for the next call (a combine kernel: TUNING.md).
+- ``_kvcache_attn_kernel``: each program's rows are the queries of every query head that shares its key/value head
+  (row ``r``: query head ``hk * GROUP + r // Sq``, query ``r % Sq``), so one read of a K/V tile serves the GQA group.
+  The keys a sequence's queries can see, ``[lo, L)`` with ``L = cache_seqlens[b] + Sq_new``, are cut at run time:
+  per sequence into ``SPLITS`` chunks of whole key blocks (grid: batch * key/value head, split, row block), or,
+  ``BALANCED`` (several sequences in a 16-bit cache), laid end to end across the batch and cut into equal shares, one
+  per program (grid: key/value head, program, row block), a share crossing sequences taken a sequence at a time.
+  ``_decode_rows`` streams one sequence's part through the forward's online softmax (base 2,
+  ``_online_softmax_step``); a lone part writes its rows, else each writes them normalised, with their log-sum-exp,
+  to fp32 partial buffers and counts itself in its row block's arrivals, and the last part to arrive combines them
+  (``_combine_splits``: ``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``; an empty part has
+  ``lse_s = -inf``) and resets the count for the next call.
 
 Masks: the forward's band with ``Sk = L`` per sequence (queries align bottom-right); key blocks every row sees whole
-load without a mask (``MASKED``, a compile-time variant of one loop).
-
-Paged caches (``PAGED``): each key row finds its page through ``block_table[b, j // block_size]`` (any page size, a
-shift where it is a power of two: ``PAGE_SHIFT``); the page numbers are loads the K/V loads depend on, so a paged
-launch runs two programs per SM.
-
-Balanced splits (``BALANCED``, off by default): one split size over the whole batch's keys (``_balanced_split``).
-FP8 caches: tiles widen to q's dtype for their products, to fp16 where q is bf16 (``_fp16_queries``; one conversion
-per pair, where widening to bf16 is a chain); the K scale multiplies the softmax scale, the V scale the output, per
-key/value head. The widening and products bound a contiguous FP8 step, not memory (H200: ~3.6e12 elements/s), so its
-launch aims at two programs per SM, as a paged one does (whose page walk bounds it, FP8 or not).
+load without a mask (``MASKED``, a compile-time variant of one loop). Paged caches (``PAGED``): each key row finds
+its page through ``block_table[b, j // block_size]`` (any page size, a shift where it is a power of two), loads the
+K/V loads depend on, so a paged launch runs two programs per SM. FP8 caches: tiles widen to q's dtype for their
+products, to fp16 where q is bf16 (``_fp16_queries``: one conversion per pair, where bf16 is a chain); the K scale
+multiplies the softmax scale, the V scale the output. The widening bounds a contiguous FP8 step, not memory, so it
+too runs two programs per SM.
 
 Limits: forward only, any head dim of the family (padded to a power of two), fp16/bf16/fp32 and float8_e4m3fn
 caches; ``cache_seqlens[b] + Sq_new`` is clamped to [0, capacity] on the device, block-table entries are not checked.
 
-Trade-offs: the split count is chosen on the host from the shapes (``configs.decode_plan``: programs to fill the
-GPU once, chunks of at least a few key blocks), never from the lengths, so a call needs no synchronisation and a
-CUDA graph can capture it; a sequence much shorter than the cache's capacity then has short chunks. The partial
-results, written and read once, are small beside the K/V read at Sq <= 16.
+Trade-offs: the program count comes from the shapes on the host (``configs.decode_plan``), never from the lengths,
+which only the GPU reads: a call needs no synchronisation and a CUDA graph can capture it, but a batch much shorter
+than the cache's capacity has short chunks. A balanced program pays a query load and a part per sequence it
+touches: 3-9% of an FP8 step, bound by its widening, so FP8 caches keep per-sequence splits.
 """
 
 import triton
@@ -197,53 +192,38 @@ def _kvcache_attn_inner(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["new_tokens", "Sq"])
-def _kvcache_attn_kernel(
-    q_ptr,  # (B, Hq, Sq, D)
-    k_ptr, v_ptr,  # (B, Hkv, S_max, D), or paged (num_blocks, Hkv, block_size, D)
-    o_ptr,  # (B, Hq, Sq, D)
-    lse_ptr,  # (B, Hq, Sq) fp32 (STORE_LSE)
-    o_part_ptr, lse_part_ptr,  # SPLIT: (B * Hkv * SPLITS * ROWS, BLOCK_D) and (B * Hkv * SPLITS * ROWS,) fp32
-    arrivals_ptr,  # SPLIT: (B * Hkv * row blocks,) int32, zero on entry and on exit: splits done per row block
-    seqlens_ptr,  # (B,) int32: tokens in each cache before this call's new ones
-    table_ptr, stride_tb,  # (B, max_blocks) int32 block table (PAGED)
-    stride_qb, stride_qh, stride_qs, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,  # stride_kb: batch stride, or page stride when PAGED
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lh,  # lse's; 1 along the sequence
-    Hkv, GROUP, Sq, new_tokens, D, block_size, capacity,
-    scale_log2,  # softmax_scale * log2(e)
-    LEFT, RIGHT,  # the band around query i's key position i + L - Sq (causal: RIGHT = 0)
-    SPLITS,  # key splits per (batch, key/value head); BALANCED: the key blocks' budget of splits per head
-    k_scale, v_scale, k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # an FP8 cache's scales (else 1.0)
-    BATCH,  # sequences (BALANCED)
+@triton.jit
+def _first_visible_key(L, Sq, LEFT, HAS_LEFT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``lo``: the first cache position (rounded down to a key block) that some query of a sequence of ``L`` keys
+    sees; 0 without a left edge. ``L`` a scalar or a vector of lengths."""
+    lo = L * 0
+    if HAS_LEFT:
+        lo = tl.minimum(tl.maximum(L - Sq - LEFT, 0), L) // BLOCK_N * BLOCK_N
+    return lo
+
+
+@triton.jit
+def _decode_rows(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr, seqlens_ptr, table_ptr, stride_tb,
+    stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh,
+    Hkv, GROUP, Sq, new_tokens, D, block_size, capacity, scale_log2, LEFT, RIGHT,
+    k_scale, v_scale, k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,
+    b, hk, pid_r, first_block, end_block, slot, first_slot, splits,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
     STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, K_SCALE_IN_MEMORY: tl.constexpr,
-    V_SCALE_IN_MEMORY: tl.constexpr, BALANCED: tl.constexpr = False, BLOCK_B: tl.constexpr = 1,
-    PAGE_SHIFT: tl.constexpr = -1,  # PAGED: log2(block_size) where it is a power of two, else -1
+    V_SCALE_IN_MEMORY: tl.constexpr, PAGE_SHIFT: tl.constexpr, LONE_PARTS: tl.constexpr,
 ):
-    pid_r = tl.program_id(2)
+    """Row block ``pid_r`` of sequence ``b`` and key/value head ``hk`` over key blocks ``[first_block, end_block)``
+    of the keys its queries see (counted from ``lo``): one of the ``splits`` parts of those keys, whose partial
+    results sit in slots ``first_slot ...`` (this one in ``slot``). A lone part writes its rows (``LONE_PARTS``: there
+    may be one); with several, each writes its partial result and the last to arrive combines them all."""
     ROWS = GROUP * Sq
-    if BALANCED:
-        # program (head, slot): the slots of each head cut the batch's key blocks into splits of one size, so that a
-        # ragged batch gives every program about the same keys (the slots past the batch's splits idle)
-        hk = tl.program_id(0)
-        b, split, SPLITS, first_slot, active = _balanced_split(seqlens_ptr, tl.program_id(1), BATCH, new_tokens,
-                                                               capacity, Sq, LEFT, SPLITS, HAS_LEFT, BLOCK_N, BLOCK_B)
-        pid_bhk = b * Hkv + hk
-        part_base = hk * tl.num_programs(1) + first_slot  # this sequence's partials: slots first_slot ...
-    else:
-        pid_bhk = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid_bhk // Hkv
-        hk = pid_bhk % Hkv
-        active = pid_r >= 0  # every program works
-        part_base = pid_bhk * SPLITS
     rows = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
     q_head = hk * GROUP + rows // Sq
     q_idx = rows % Sq
+    row_ok = rows < ROWS
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     # an FP8 cache's K scale folds into the scores' scale, its V scale into the normalised output
@@ -253,22 +233,16 @@ def _kvcache_attn_kernel(
 
     q_ptrs = (q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
               + q_idx[:, None].to(tl.int64) * stride_qs + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=(rows < ROWS)[:, None] & (offs_d < D)[None, :], other=0.0)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     if k_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
         q, scale_log2 = _fp16_queries(q, scale_log2)
 
     L = _sequence_keys(seqlens_ptr, b, new_tokens, capacity)
     lo_shift = L - Sq - LEFT  # query i sees keys from i + lo_shift (HAS_LEFT) ...
     hi_shift = L - Sq + RIGHT  # ... to i + hi_shift (HAS_RIGHT)
-    # keys some query of the sequence sees: [lo, L), cut into SPLITS chunks of whole key blocks
-    lo = 0
-    if HAS_LEFT:
-        lo = tl.minimum(tl.maximum(lo_shift, 0), L) // BLOCK_N * BLOCK_N
-    blocks_per_split = tl.cdiv(tl.cdiv(L - lo, BLOCK_N), SPLITS)
-    start = tl.minimum(lo + split * blocks_per_split * BLOCK_N, L)
-    end = tl.minimum(start + blocks_per_split * BLOCK_N, L)
-    if BALANCED:
-        end = tl.where(active, end, start)
+    lo = _first_visible_key(L, Sq, LEFT, HAS_LEFT, BLOCK_N)
+    start = tl.minimum(lo + first_block * BLOCK_N, L)
+    end = tl.minimum(lo + end_block * BLOCK_N, L)
     # key blocks every query sees whole: from the last query's left edge to the first query's right edge
     full_lo = start
     if HAS_LEFT:
@@ -302,62 +276,119 @@ def _kvcache_attn_kernel(
                                         stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, True, PAGED, HAS_LEFT,
                                         HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT)
 
-    # l_i = 0 only for a row that saw no key (an empty split, a query before every visible key); not `l_i > 0`,
+    # l_i = 0 only for a row that saw no key (an empty part, a query before every visible key); not `l_i > 0`,
     # which would turn a NaN row into zeros
     seen = ~(l_i == 0.0)
     safe_l = tl.where(seen, l_i, 1.0)
     o = tl.where(seen[:, None], acc / safe_l[:, None] * v_scale, 0.0)  # (times 1.0 exactly, but for FP8)
     lse = tl.where(seen, (m_i + tl.math.log2(safe_l)) * _LN2, float("-inf"))
-    row_ok = (rows < ROWS) & active
     if SPLIT:
-        part = (part_base + split).to(tl.int64) * ROWS + rows
-        tl.store(o_part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=row_ok[:, None])
-        tl.store(lse_part_ptr + part, lse, mask=row_ok)
-        # The last split of this row block to finish combines them all: every thread's stores are done before the
-        # arrival is counted (release), and the combining program reads the others' after it (acquire). An idle
-        # program of a balanced launch counts nothing (it adds 0).
-        tl.debug_barrier()
-        arrival = pid_bhk * tl.num_programs(2) + pid_r
-        arrived = tl.atomic_add(arrivals_ptr + arrival, active.to(tl.int32), sem="acq_rel", scope="gpu")
-        if active & (arrived == SPLITS - 1):
-            tl.debug_barrier()
-            o, lse = _combine_splits(o_part_ptr, lse_part_ptr, part_base.to(tl.int64) * ROWS + rows,
-                                     ROWS, SPLITS, row_ok, offs_d, BLOCK_D)
-            tl.atomic_xchg(arrivals_ptr + arrival, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        if LONE_PARTS and splits == 1:
             _store_rows(o, lse, o_ptr, lse_ptr, b, q_head, q_idx, row_ok, offs_d, D, stride_ob, stride_oh,
                         stride_os, stride_od, stride_lb, stride_lh, STORE_LSE)
+        else:
+            part = slot.to(tl.int64) * ROWS + rows
+            tl.store(o_part_ptr + part[:, None] * BLOCK_D + offs_d[None, :], o, mask=row_ok[:, None])
+            tl.store(lse_part_ptr + part, lse, mask=row_ok)
+            # The last part of this row block to finish combines them all: every thread's stores are done before
+            # the arrival is counted (release), and the combining program reads the others' after it (acquire).
+            tl.debug_barrier()
+            arrival = (b * Hkv + hk) * tl.num_programs(2) + pid_r
+            arrived = tl.atomic_add(arrivals_ptr + arrival, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                tl.debug_barrier()
+                o, lse = _combine_splits(o_part_ptr, lse_part_ptr, first_slot.to(tl.int64) * ROWS + rows,
+                                         ROWS, splits, row_ok, offs_d, BLOCK_D)
+                tl.atomic_xchg(arrivals_ptr + arrival, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                _store_rows(o, lse, o_ptr, lse_ptr, b, q_head, q_idx, row_ok, offs_d, D, stride_ob, stride_oh,
+                            stride_os, stride_od, stride_lb, stride_lh, STORE_LSE)
     else:
         _store_rows(o, lse, o_ptr, lse_ptr, b, q_head, q_idx, row_ok, offs_d, D, stride_ob, stride_oh, stride_os,
                     stride_od, stride_lb, stride_lh, STORE_LSE)
 
 
-@triton.jit
-def _balanced_split(seqlens_ptr, slot, BATCH, new_tokens, capacity, Sq, LEFT, BUDGET, HAS_LEFT: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """``(b, split, splits, first_slot, active)`` of program ``slot`` of a balanced launch: every sequence's visible
-    key blocks (``[lo, L)``, as the kernel computes them) are cut into splits of ``cdiv(total blocks, BUDGET)``
-    blocks (at least one split per sequence, so an empty one still writes its zeros), numbered across the batch;
-    ``slot`` is split ``split`` of sequence ``b``'s ``splits``, whose first is slot ``first_slot``. Slots past the
-    batch's last split are not ``active`` (they stand for sequence ``BATCH - 1`` and do nothing). Read from the
-    lengths on the GPU by every program: no plan kernel, no host synchronisation."""
-    offs_b = tl.arange(0, BLOCK_B)
-    in_batch = offs_b < BATCH
-    L = tl.minimum(tl.maximum(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0) + new_tokens, 0), capacity)
-    L = tl.where(in_batch, L, 0)
-    lo = tl.zeros_like(L)
-    if HAS_LEFT:
-        lo = tl.minimum(tl.maximum(L - Sq - LEFT, 0), L) // BLOCK_N * BLOCK_N
-    blocks = tl.cdiv(L - lo, BLOCK_N)
-    per_split = tl.maximum(tl.cdiv(tl.sum(blocks, axis=0), BUDGET), 1)
-    splits = tl.where(in_batch, tl.maximum(tl.cdiv(blocks, per_split), 1), 0)
-    ends = tl.cumsum(splits, axis=0)
-    b = tl.sum((ends <= slot).to(tl.int32), axis=0)
-    active = b < BATCH
-    b = tl.minimum(b, BATCH - 1)
-    mine = offs_b == b
-    count = tl.sum(tl.where(mine, splits, 0), axis=0)
-    first_slot = tl.sum(tl.where(mine, ends, 0), axis=0) - count
-    return b, slot - first_slot, count, first_slot, active
+@triton.jit(do_not_specialize=["new_tokens", "Sq"])
+def _kvcache_attn_kernel(
+    q_ptr,  # (B, Hq, Sq, D)
+    k_ptr, v_ptr,  # (B, Hkv, S_max, D), or paged (num_blocks, Hkv, block_size, D)
+    o_ptr,  # (B, Hq, Sq, D)
+    lse_ptr,  # (B, Hq, Sq) fp32 (STORE_LSE)
+    o_part_ptr, lse_part_ptr,  # SPLIT: (slots * ROWS, BLOCK_D) and (slots * ROWS,) fp32
+    arrivals_ptr,  # SPLIT: (B * Hkv * row blocks,) int32, zero on entry and on exit: parts done per row block
+    seqlens_ptr,  # (B,) int32: tokens in each cache before this call's new ones
+    table_ptr, stride_tb,  # (B, max_blocks) int32 block table (PAGED)
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,  # stride_kb: batch stride, or page stride when PAGED
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh,  # lse's; 1 along the sequence
+    Hkv, GROUP, Sq, new_tokens, D, block_size, capacity,
+    scale_log2,  # softmax_scale * log2(e)
+    LEFT, RIGHT,  # the band around query i's key position i + L - Sq (causal: RIGHT = 0)
+    SPLITS,  # key splits per (batch, key/value head); BALANCED: unused (the grid's second axis)
+    k_scale, v_scale, k_scale_ptr, v_scale_ptr, stride_k_scale, stride_v_scale,  # an FP8 cache's scales (else 1.0)
+    BATCH,  # sequences (BALANCED)
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+    STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, K_SCALE_IN_MEMORY: tl.constexpr,
+    V_SCALE_IN_MEMORY: tl.constexpr, BALANCED: tl.constexpr = False, BLOCK_B: tl.constexpr = 1,
+    PAGE_SHIFT: tl.constexpr = -1,  # PAGED: log2(block_size) where it is a power of two, else -1
+):
+    pid_r = tl.program_id(2)
+    if BALANCED:
+        # program (head, p, row block) of P: the key blocks of the batch's sequences, laid end to end, cut into P
+        # shares of one size; program p reads share p, which may end one sequence and start others, and writes one
+        # part per sequence it touches. Sequence b's parts are those of programs first[b] ... last[b], their partial
+        # results in slots b + first[b] ... b + last[b] of the head (b + p never repeats: from one part to the next
+        # b or p grows). An empty sequence is one empty part of the program where its keys would start.
+        hk = tl.program_id(0)
+        program = tl.program_id(1)
+        programs = tl.num_programs(1)
+        offs_b = tl.arange(0, BLOCK_B)
+        in_batch = offs_b < BATCH
+        L = tl.minimum(tl.maximum(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0) + new_tokens, 0), capacity)
+        L = tl.where(in_batch, L, 0)
+        blocks = tl.cdiv(L - _first_visible_key(L, Sq, LEFT, HAS_LEFT, BLOCK_N), BLOCK_N)
+        ends = tl.cumsum(blocks, axis=0)
+        starts = ends - blocks
+        share = tl.maximum(tl.cdiv(tl.sum(blocks, axis=0), programs), 1)
+        first = tl.where(in_batch, tl.minimum(starts // share, programs - 1), programs)
+        last = tl.where(in_batch, tl.maximum(first, (ends - 1) // share), programs)
+        slots = hk * (programs + BATCH)
+        for seq in range(tl.sum((last < program).to(tl.int32), axis=0), tl.sum((first <= program).to(tl.int32), 0)):
+            b = program * 0 + seq  # a tensor under the interpreter too, whose loops count in Python ints
+            mine = offs_b == b
+            seq_start = tl.sum(tl.where(mine, starts, 0), axis=0)
+            seq_first = tl.sum(tl.where(mine, first, 0), axis=0)
+            seq_last = tl.sum(tl.where(mine, last, 0), axis=0)
+            first_block = tl.maximum(program * share - seq_start, 0)
+            end_block = tl.minimum((program + 1) * share - seq_start, tl.sum(tl.where(mine, blocks, 0), axis=0))
+            _decode_rows(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr, seqlens_ptr,
+                         table_ptr, stride_tb, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh,
+                         stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh,
+                         stride_os, stride_od, stride_lb, stride_lh, Hkv, GROUP, Sq, new_tokens, D, block_size,
+                         capacity, scale_log2, LEFT, RIGHT, k_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                         stride_k_scale, stride_v_scale, b, hk, pid_r, first_block, end_block, slots + b + program,
+                         slots + b + seq_first, seq_last - seq_first + 1, HAS_LEFT, HAS_RIGHT, PAGED, SPLIT,
+                         STORE_LSE, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, DOT_PRECISION, K_SCALE_IN_MEMORY,
+                         V_SCALE_IN_MEMORY, PAGE_SHIFT, True)
+    else:
+        # program (sequence * head, split, row block): the keys the sequence's queries see cut into SPLITS parts
+        pid_bhk = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid_bhk // Hkv
+        hk = pid_bhk % Hkv
+        L = _sequence_keys(seqlens_ptr, b, new_tokens, capacity)
+        per_split = tl.cdiv(tl.cdiv(L - _first_visible_key(L, Sq, LEFT, HAS_LEFT, BLOCK_N), BLOCK_N), SPLITS)
+        _decode_rows(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr, seqlens_ptr,
+                     table_ptr, stride_tb, stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh,
+                     stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh,
+                     stride_os, stride_od, stride_lb, stride_lh, Hkv, GROUP, Sq, new_tokens, D, block_size,
+                     capacity, scale_log2, LEFT, RIGHT, k_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                     stride_k_scale, stride_v_scale, b, hk, pid_r, split * per_split, (split + 1) * per_split,
+                     pid_bhk * SPLITS + split, pid_bhk * SPLITS, SPLITS, HAS_LEFT, HAS_RIGHT, PAGED, SPLIT,
+                     STORE_LSE, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, DOT_PRECISION, K_SCALE_IN_MEMORY,
+                     V_SCALE_IN_MEMORY, PAGE_SHIFT, False)
 
 
 #: splits the combine takes per step, their loads issued together

@@ -588,10 +588,15 @@ DECODE_PROGRAMS_PER_SM = {False: 1, True: 2}
 #: results stay small beside its share of K and V
 DECODE_MIN_BLOCKS_PER_SPLIT = 4
 DECODE_MAX_SPLITS = 128
-#: Balanced splits for batches of several sequences: each key/value head's programs cut the whole batch's key blocks
-#: into splits of one size (read from the lengths on the GPU), instead of cutting each sequence into the same number
-#: of splits, so that a ragged batch's long sequences get more programs. Off until measured on a GPU.
-DECODE_BALANCED_SPLITS = False
+#: Balanced splits for batches of several sequences in a 16-bit cache: each key/value head's programs, one wave of
+#: them, share the batch's key blocks (read from the lengths on the GPU) evenly, a share crossing sequence boundaries,
+#: instead of cutting each sequence into the same number of splits: a ragged batch's long sequences no longer hold
+#: the step (H100, lengths uniform in [Sk / 8, Sk]: 1.00-1.16x per-sequence splits at B 8-64, 1.11-1.16x at B 8;
+#: uniform batches 0.97-1.00x).
+DECODE_BALANCED_SPLITS = True
+#: ... where a full cache gives each per-sequence split at least this many key blocks: below, a step is a few
+#: microseconds of latency, and shares that cross sequences (two parts, two partial writes) cost more than they even out
+DECODE_BALANCED_MIN_BLOCKS = 16
 
 
 class DecodePlan(NamedTuple):
@@ -599,8 +604,8 @@ class DecodePlan(NamedTuple):
     block_n: int  # keys per block
     num_warps: int
     num_stages: int
-    splits: int  # key splits per (batch, key/value head); 1: nothing to combine
-    balanced: bool = False  # split the batch's keys evenly across its programs (DECODE_BALANCED_SPLITS)
+    splits: int  # key splits per (batch, key/value head), 1: nothing to combine; balanced: programs per head
+    balanced: bool = False  # the batch's keys shared evenly by `splits` programs per head (DECODE_BALANCED_SPLITS)
 
 
 def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int, paged: bool,
@@ -621,7 +626,14 @@ def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtyp
     # a full cache gives each split cdiv(blocks, splits) blocks; the splits that would be left empty are dropped, as
     # they only lengthen the combine (33 splits of 256 blocks: the 33rd gets none)
     splits = cdiv(blocks, cdiv(blocks, splits)) if blocks else 1
-    return DecodePlan(row_tile, key_tile, 4, stages, splits, DECODE_BALANCED_SPLITS and splits > 1 and batch > 1)
+    # balanced: one wave of programs per head and row block, sharing the batch's keys (where a wave has room for
+    # every head and row block); not for an FP8 cache, whose step the widening bounds, not memory, and which the
+    # balanced kernel's extra registers slowed by 3-9% on uniform batches
+    wave = DECODE_PROGRAMS_PER_SM[paged] * multiprocessors // (kv_heads * cdiv(rows, row_tile))
+    if (DECODE_BALANCED_SPLITS and not fp8 and batch > 1 and wave >= 1
+            and blocks >= DECODE_BALANCED_MIN_BLOCKS * splits):
+        return DecodePlan(row_tile, key_tile, 4, stages, min(wave, DECODE_MAX_SPLITS * batch), True)
+    return DecodePlan(row_tile, key_tile, 4, stages, splits)
 
 
 _decode_plan_cached = functools.lru_cache(maxsize=1024)(_decode_plan)

@@ -568,15 +568,14 @@ def _attend_parts(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_tab
     scale_args, scale_flags = _scale_args(k_scale, v_scale)
     bd = configs.block_d(d)
     table = block_table if paged else cache_seqlens
-    split = plan.splits > 1
     row_blocks = cdiv(rows, plan.block_m)
-    # balanced: per key/value head, a budget of splits * B splits over the batch's keys, and up to B slots more (a
-    # sequence's splits round up); else splits per (sequence, key/value head)
-    balanced = split and plan.balanced
-    grid = (kv_heads, plan.splits * batch + batch, row_blocks) if balanced else (
-        batch * kv_heads, plan.splits, row_blocks)
+    # balanced: per key/value head, `splits` programs share the batch's key blocks evenly, across sequence
+    # boundaries (a part per sequence a program touches; slot b + p of the head); else splits per (sequence, head)
+    balanced = plan.balanced and batch > 1
+    split = plan.splits > 1 or balanced
+    grid = (kv_heads, plan.splits, row_blocks) if balanced else (batch * kv_heads, plan.splits, row_blocks)
     if split:
-        parts = grid[0] * grid[1] * rows
+        parts = (kv_heads * (plan.splits + batch) if balanced else grid[0] * grid[1]) * rows
         o_part = torch.empty((parts, bd), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((parts,), dtype=torch.float32, device=q.device)
         arrivals = _arrivals(q.device, batch * kv_heads * row_blocks)
@@ -592,7 +591,7 @@ def _attend_parts(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_tab
             table.stride(0) if paged else 0, *q.stride(), *k_cache.stride(), *v_cache.stride(), *o.stride(),
             *((lse.stride(0), lse.stride(1)) if return_lse else (0, 0)),
             kv_heads, group, sq, new_tokens, d, page, capacity,
-            scale * LOG2E, left, right, plan.splits * batch if balanced else plan.splits, *scale_args, batch,
+            scale * LOG2E, left, right, plan.splits, *scale_args, batch,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd,
             DOT_PRECISION=dot_precision(q.dtype), **scale_flags, BALANCED=balanced,
