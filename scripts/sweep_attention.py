@@ -17,9 +17,11 @@ registers) are reported and skipped. What it finds goes into ``configs.ROWS`` an
 benchmark's ``DECODE_POINTS`` by default) for each cache (16-bit or FP8, contiguous or in pages of 16; ``--ragged``:
 the benchmark's ragged lengths, at its ``RAGGED_POINTS`` by default) under the table's plan and under each plan of
 ``--decode-plans``: ``;``-separated changes of ``configs.DecodePlan`` fields (``block_n=64,num_stages=2``,
-``splits*2``, ``splits/2``, ``balanced=1``), applied through ``configs.override_decode``. Device time by CUDA-graph
-replay (inputs cycled past L2), the variants interleaved over ``--rounds`` rounds; prints µs, GB/s of the cache read
-and each plan's speed-up over the table's, and an FP8 cache's over the 16-bit cache's table plan (tokens/s).
+``splits*2``, ``splits/2``; ``balanced=0,splits=2``: per-sequence splits, 2 each, where the table shares the keys;
+``balanced=1,splits=16``: 16 programs per key/value head sharing them), applied through ``configs.override_decode``.
+Device time by CUDA-graph replay (inputs cycled past L2), the variants interleaved over ``--rounds`` rounds; prints
+µs, GB/s of the cache read and each plan's speed-up over the table's, and an FP8 cache's over the 16-bit cache's table
+plan (tokens/s).
 """
 
 from __future__ import annotations
