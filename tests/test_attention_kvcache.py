@@ -430,10 +430,11 @@ def test_bad_fp8_arguments_are_named(changes, error, words):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_balanced_splits_give_the_twins_result_on_ragged_batches(case, paged):
-    """Balanced splits (``DecodePlan.balanced``: each key/value head's ``splits * B`` programs share the batch's key
+    """Balanced splits (``DecodePlan.balanced``: each key/value head's ``splits`` programs share the batch's key
     blocks, laid end to end, evenly, a program's share crossing sequence boundaries, read from the lengths on the
-    GPU) on ragged batches, empty sequences, windows and appends: the twin's output and log-sum-exp, and, for every
-    program count (one per sequence: shares of several short sequences), the per-sequence split's result."""
+    GPU) on ragged batches, empty sequences, windows and appends: the twin's output and log-sum-exp, and, for 1, 2
+    and 5 programs per head (one program walking every sequence; shares spanning several), the result of as many
+    splits per sequence."""
     hq, hkv, sq, seqlens, s_max, d, causal, window, _ = case
     dtype = torch.float32
     q, k_cache, v_cache, seqlens_t, k, v = _inputs(hq, hkv, sq, seqlens, s_max, d, dtype)
