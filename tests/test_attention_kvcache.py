@@ -259,6 +259,11 @@ def test_decode_plan_splits_from_the_gpu_and_the_shapes(monkeypatch):
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, True, 132).splits == 32
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132, fp8=True).splits == 32  # FP8: 2 per SM
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 30000, True, 132).splits == 30  # 235 blocks, 8 each
+    # a paged FP8 cache at D <= 64 whose 256 (sequence, head) programs fill the SMs: 4 per SM, 2 splits; not at D 128,
+    # nor at B 1 (8 programs: 2 per SM)
+    assert configs.decode_plan(32, 8, 4, 64, torch.bfloat16, 8192, True, 132, fp8=True).splits == 2
+    assert configs.decode_plan(32, 8, 4, 128, torch.bfloat16, 8192, True, 132, fp8=True).splits == 1
+    assert configs.decode_plan(1, 8, 4, 64, torch.bfloat16, 32768, True, 132, fp8=True).splits == 32
     wide = configs.decode_plan(1, 8, 4, 1024, torch.float32, 4096, False, 132)
     assert wide.block_n == 16 and wide.num_stages == 1 and wide.block_m == 16  # 128 KiB of K and V per stage
 

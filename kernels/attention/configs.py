@@ -584,6 +584,11 @@ def decode_shaped(queries: int, keys: int) -> bool:
 #: stream at copy speed one per SM, while page gathers and an FP8 tile's widening to q's dtype keep a program from
 #: saturating memory alone (twice the splits: FP8 1.09-1.37x faster at B 1-8, a 16-bit cache 0.86x at B 1)
 DECODE_PROGRAMS_PER_SM = {False: 1, True: 2}
+#: ... times this for a paged FP8 cache at head dims up to 64 whose (sequence, head) programs fill the SMs already:
+#: its program (145 registers, 23 KB of shared memory at D 64) leaves room for three per SM, and its page gathers,
+#: which do not pipeline, need more programs to hide their latency (H100, B 32 Hq 32/Hkv 8 Sk 8192 D 64, pages of
+#: 16: 1.31x the plan with two per SM; at D 128, 0.96x at B 64 and 0.78x at B 1, so not taken there)
+DECODE_PAGED_FP8_NARROW_FACTOR = 2
 #: a split covers at least this many key blocks of the cache's capacity, so that its query load and partial
 #: results stay small beside its share of K and V
 DECODE_MIN_BLOCKS_PER_SPLIT = 4
@@ -621,7 +626,10 @@ def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtyp
     stages = max(1, min(3, budget // (key_tile * key_bytes * 2)))
     programs = batch * kv_heads * cdiv(rows, row_tile)
     blocks = cdiv(capacity, key_tile)
-    splits = max(1, min(DECODE_PROGRAMS_PER_SM[paged or fp8] * multiprocessors // max(programs, 1),
+    per_sm = DECODE_PROGRAMS_PER_SM[paged or fp8]
+    if paged and fp8 and bd <= 64 and programs >= multiprocessors:
+        per_sm *= DECODE_PAGED_FP8_NARROW_FACTOR
+    splits = max(1, min(per_sm * multiprocessors // max(programs, 1),
                         cdiv(blocks, DECODE_MIN_BLOCKS_PER_SPLIT), DECODE_MAX_SPLITS))
     # a full cache gives each split cdiv(blocks, splits) blocks; the splits that would be left empty are dropped, as
     # they only lengthen the combine (33 splits of 256 blocks: the 33rd gets none)
