@@ -6,6 +6,7 @@ benchmark's points (B * S = 16k tokens, H * D = 2048); with ``--decode``, the KV
         [--fwd-only] [--fwd-configs "128,64,8,3;64,64,4,3"] [--dkdv-configs ...] [--dq-configs ...] [--window 1024]
     python3 -m scripts.sweep_attention --decode [--caches bf16,fp8,bf16-paged,fp8-paged] [--ragged]
         [--decode-points "1,32,8,32768,128;64,32,8,8192,128"] [--decode-plans "num_warps=8;splits*2"] [--rounds 3]
+        [--decode-baseline BASELINE_DECODE_PY]
 
 For every point, times the public forward with each candidate forward tile, and the public backward (as
 two launches) with each candidate dK/dV tile and each dQ tile, the other kernels at their table tiles
@@ -19,6 +20,9 @@ the benchmark's ragged lengths, at its ``RAGGED_POINTS`` by default) under the t
 ``--decode-plans``: ``;``-separated changes of ``configs.DecodePlan`` fields (``block_n=64,num_stages=2``,
 ``splits*2``, ``splits/2``; ``balanced=0,splits=2``: per-sequence splits, 2 each, where the table shares the keys;
 ``balanced=1,splits=16``: 16 programs per key/value head sharing them), applied through ``configs.override_decode``.
+``--decode-baseline`` (another version of ``kernels/attention/_decode.py``, e.g. ``git show
+main:kernels/attention/_decode.py > /tmp/base.py``) times every plan also with that file's kernels
+(``kvcache.kernels_from``), named ``... @base``: a decode kernel change against its baseline in the same rounds.
 Device time by CUDA-graph replay (inputs cycled past L2), the variants interleaved over ``--rounds`` rounds; prints
 µs, GB/s of the cache read and each plan's speed-up over the table's, and an FP8 cache's over the 16-bit cache's table
 plan (tokens/s).
@@ -31,6 +35,9 @@ import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton
 # isort: split
 
 import argparse
+import contextlib
+import functools
+import importlib.util
 import json
 import math
 
@@ -119,6 +126,13 @@ def decode_main(args) -> None:
 
     points = ([tuple(int(x) for x in p.split(",")) for p in args.decode_points.split(";")] if args.decode_points
               else bench_points.RAGGED_POINTS if args.ragged else bench_points.DECODE_POINTS)
+    from kernels.attention import kvcache
+
+    baseline = None
+    if args.decode_baseline:
+        spec = importlib.util.spec_from_file_location("baseline_decode_kernels", args.decode_baseline)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
     plans = {"table": lambda plan: plan}
     plans.update({spec: _decode_plan_change(spec) for spec in args.decode_plans.split(";") if spec.strip()})
     dtype = getattr(torch, args.dtype)
@@ -139,16 +153,20 @@ def decode_main(args) -> None:
                                                      bench_points._ragged_lengths(b, sk))
                 return bench_points._decode_call("ours", b, hq, hkv, sk, d, dtype, paged, fp8)
 
-            # (plan change, FP8 cache) per variant; an FP8 cache is also timed as a 16-bit one under the table
-            variants = {name: (adjust, fp8) for name, adjust in plans.items()}
+            # (plan change, FP8 cache, kernels) per variant; an FP8 cache is also timed as a 16-bit one under the
+            # table; with a baseline, every plan also with the baseline's kernels
+            variants = {name: (adjust, fp8, contextlib.nullcontext) for name, adjust in plans.items()}
+            if baseline is not None:
+                variants.update({f"{name} @base": (adjust, fp8, functools.partial(kvcache.kernels_from, baseline))
+                                 for name, adjust in plans.items()})
             if fp8:
-                variants["16-bit cache, table"] = (plans["table"], False)
+                variants["16-bit cache, table"] = (plans["table"], False, contextlib.nullcontext)
             read = {kind: make(kind)[1] for kind in {fp8, False}}
             times: dict[str, list[float]] = {name: [] for name in variants}
             for _ in range(args.rounds):
-                for name, (adjust, narrow) in variants.items():
+                for name, (adjust, narrow, kernel_version) in variants.items():
                     try:
-                        with configs.override_decode(adjust):
+                        with kernel_version(), configs.override_decode(adjust):
                             times[name].append(graph_ms(lambda: make(narrow)[0], touched_bytes=read[narrow]))
                     except Exception as err:  # a plan that does not fit: report once, go on
                         if not times[name]:
@@ -186,6 +204,8 @@ def main() -> None:
     parser.add_argument("--decode-plans", default="num_warps=8;splits*2;splits/2;num_stages=2",
                         help="decode plan changes to time beside the table's, ';'-separated")
     parser.add_argument("--rounds", type=int, default=3, help="decode: interleaved rounds")
+    parser.add_argument("--decode-baseline", default="",
+                        help="decode: another version of kernels/attention/_decode.py, timed beside this one")
     args = parser.parse_args()
     if args.decode:
         args.dtype = args.dtype or "bfloat16"

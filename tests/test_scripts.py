@@ -99,6 +99,25 @@ def test_sweep_attention_decode_plan_changes_set_the_fields_they_name():
     assert sweep_attention._decode_plan_change("balanced=1")(table).balanced is True
 
 
+def test_decode_kernels_from_swaps_in_a_baseline_and_restores_this_checkouts():
+    """``kvcache.kernels_from`` (``scripts.sweep_attention --decode-baseline``): inside the block the KV-cache calls
+    launch the given module's kernels, also when the block is left by an exception; after it, this checkout's."""
+    import importlib.util
+
+    from kernels.attention import _decode, kvcache
+
+    spec = importlib.util.spec_from_file_location("baseline_decode_kernels", _decode.__file__)
+    baseline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(baseline)
+    ours = (kvcache._kvcache_append_kernel, kvcache._kvcache_attn_kernel)
+    assert ours == (_decode._kvcache_append_kernel, _decode._kvcache_attn_kernel)
+    with pytest.raises(RuntimeError), kvcache.kernels_from(baseline):
+        assert kvcache._kvcache_attn_kernel is baseline._kvcache_attn_kernel is not ours[1]
+        assert kvcache._kvcache_append_kernel is baseline._kvcache_append_kernel is not ours[0]
+        raise RuntimeError
+    assert (kvcache._kvcache_append_kernel, kvcache._kvcache_attn_kernel) == ours
+
+
 @pytest.mark.parametrize("split", [["--group-heads", "8"], ["--group-heads", "1"]],
                          ids=["whole-groups", "split-groups"])
 def test_hopper_offline_compiles_the_gluon_kernels_without_a_gpu(split):

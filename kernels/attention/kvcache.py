@@ -42,6 +42,7 @@ from kernels._common.launch import (
     observed_calls,
     prepared_launches_enabled,
 )
+from kernels._common.launch import kernels_from as swap_kernels
 from kernels._common.opaque import opaque_op
 from kernels._common.runtime import INTERPRETER
 from kernels._common.validate import indices_checked
@@ -58,6 +59,15 @@ from kernels.attention.checks import LOG2E, check_heads, dot_precision, resolve_
 
 #: new tokens per program of the append kernel
 _APPEND_TOKENS = 16
+
+_KERNEL_NAMES = ("_kvcache_append_kernel", "_kvcache_attn_kernel")
+
+
+def kernels_from(module):
+    """Inside ``with kernels_from(module):`` KV-cache calls launch ``module``'s jit kernels (another version of
+    ``kernels/attention/_decode.py``, same signatures) instead of this checkout's: interleaved A/B timing of a decode
+    kernel change in one process (``scripts/sweep_attention.py --decode-baseline``)."""
+    return swap_kernels(globals(), module, _KERNEL_NAMES)
 
 
 def _check_int32(name: str, t, dims: int) -> None:
