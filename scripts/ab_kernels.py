@@ -49,8 +49,10 @@ import kernels._native as native_tier
 from benchmarks._harness import interleaved_medians
 
 
-def _load(path: str, family: str):
-    spec = importlib.util.spec_from_file_location(f"baseline_{family}_kernels", path)
+def load_kernels_file(path: str, name: str):
+    """Another version of a family's kernels file (``_kernels.py``, ``_decode.py``) as a module of its own named
+    ``name``: a baseline that a family's ``kernels_from`` swaps in beside this checkout's kernels."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -64,7 +66,7 @@ def _variants(args) -> dict[str, Callable[[], contextlib.AbstractContextManager]
         import kernels.layernorm.ops as layernorm_ops
 
         ops = attention_ops if args.family == "attention" else layernorm_ops
-        baseline = _load(args.baseline, args.family)
+        baseline = load_kernels_file(args.baseline, f"baseline_{args.family}_kernels")
         variants["base"] = lambda: ops.kernels_from(baseline)
     variants["this"] = contextlib.nullcontext
     if args.family != "attention":

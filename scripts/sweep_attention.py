@@ -37,7 +37,6 @@ import kernels._mode  # noqa: F401  (picks CUDA or the interpreter before triton
 import argparse
 import contextlib
 import functools
-import importlib.util
 import json
 import math
 
@@ -127,12 +126,9 @@ def decode_main(args) -> None:
     points = ([tuple(int(x) for x in p.split(",")) for p in args.decode_points.split(";")] if args.decode_points
               else bench_points.RAGGED_POINTS if args.ragged else bench_points.DECODE_POINTS)
     from kernels.attention import kvcache
+    from scripts.ab_kernels import load_kernels_file
 
-    baseline = None
-    if args.decode_baseline:
-        spec = importlib.util.spec_from_file_location("baseline_decode_kernels", args.decode_baseline)
-        baseline = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(baseline)
+    baseline = load_kernels_file(args.decode_baseline, "baseline_decode_kernels") if args.decode_baseline else None
     plans = {"table": lambda plan: plan}
     plans.update({spec: _decode_plan_change(spec) for spec in args.decode_plans.split(";") if spec.strip()})
     dtype = getattr(torch, args.dtype)

@@ -102,13 +102,10 @@ def test_sweep_attention_decode_plan_changes_set_the_fields_they_name():
 def test_decode_kernels_from_swaps_in_a_baseline_and_restores_this_checkouts():
     """``kvcache.kernels_from`` (``scripts.sweep_attention --decode-baseline``): inside the block the KV-cache calls
     launch the given module's kernels, also when the block is left by an exception; after it, this checkout's."""
-    import importlib.util
-
     from kernels.attention import _decode, kvcache
+    from scripts.ab_kernels import load_kernels_file
 
-    spec = importlib.util.spec_from_file_location("baseline_decode_kernels", _decode.__file__)
-    baseline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(baseline)
+    baseline = load_kernels_file(_decode.__file__, "baseline_decode_kernels")
     ours = (kvcache._kvcache_append_kernel, kvcache._kvcache_attn_kernel)
     assert ours == (_decode._kvcache_append_kernel, _decode._kvcache_attn_kernel)
     with pytest.raises(RuntimeError), kvcache.kernels_from(baseline):
