@@ -411,7 +411,8 @@ def test_attention_decode(measure_interleaved, recorder, b, hq, hkv, sk, d, page
     kv_bytes = 2 * b * hkv * sk * d * torch.finfo(dtype).bits // 8
     fields = {"family": "attention-decode", "direction": "fwd", "dtype": dtype, "x_key": "Sk",
               "bytes_moved": kv_bytes,
-              "shape": {"timing": timing, "B": b, "Hq": hq, "Hkv": hkv, "Sk": sk, "D": d, "paged": paged}}
+              "shape": {"timing": timing, "B": b, "Hq": hq, "Hkv": hkv, "Sk": sk, "D": d,
+                        "block_size": DECODE_PAGE if paged else 0}}
     calls = {}
     for provider in ("ours",) if SMOKE else ("ours", "sdpa", "flex"):
         try:
