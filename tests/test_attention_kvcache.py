@@ -249,13 +249,14 @@ def test_decode_plan_splits_from_the_gpu_and_the_shapes(monkeypatch):
     assert configs.decode_plan(16, 1, 16, 64, torch.bfloat16, 8192, False, 132)[-2:] == (8, False)
     assert configs.decode_plan(2, 256, 1, 128, torch.bfloat16, 8192, False, 132)[-2:] == (1, False)
     assert configs.decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, False, 132, fp8=True)[-2:] == (1, False)  # FP8
-    # a small 16-bit cache splits up to 8 ways, one key block a split at the least (a step that is latency, not
-    # bytes); 4 blocks a split from 32 blocks on, in an FP8 cache always; never past the programs per SM
+    # a small cache splits up to 8 ways, one key block a split at the least (a step that is latency, not bytes);
+    # 4 blocks a split from 32 blocks on; never past the programs per SM
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 512, False, 132).splits == 4  # 4 key blocks: 4 splits
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 1024, True, 132).splits == 8
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 2048, False, 132).splits == 8  # 16 blocks, 2 each
     assert configs.decode_plan(1, 8, 4, 64, torch.bfloat16, 1024, False, 132).splits == 8
-    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 1024, False, 132, fp8=True).splits == 2
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 1024, False, 132, fp8=True).splits == 8  # FP8 alike
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 4096, True, 132, fp8=True).splits == 8  # 32 blocks
     assert configs.decode_plan(4, 8, 4, 128, torch.bfloat16, 1024, False, 132).splits == 4  # 32 programs, 1 per SM
     assert configs.decode_plan(4, 8, 4, 128, torch.bfloat16, 1024, True, 132).splits == 8  # paged: 2 per SM
     assert configs.decode_plan(1, 1, 1, 128, torch.bfloat16, 1 << 20, False, 132).splits == configs.DECODE_MAX_SPLITS
