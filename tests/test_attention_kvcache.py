@@ -56,8 +56,11 @@ def _inputs(hq, hkv, sq, seqlens, s_max, d, dtype, *, append=True, seed=0):
             to(new[1]))
 
 
-def _forced(splits):
-    return contextlib.nullcontext() if splits is None else configs.override_decode(lambda p: p._replace(splits=splits))
+def _forced(splits, **fields):
+    """The table's plan with ``splits`` (None: the table's) and other ``DecodePlan`` fields forced."""
+    if splits is not None:
+        fields["splits"] = splits
+    return configs.override_decode(lambda p: p._replace(**fields)) if fields else contextlib.nullcontext()
 
 
 def _twin(q, k_cache, v_cache, seqlens, k, v, **kw):
@@ -176,6 +179,14 @@ def test_paged_cache_gives_the_contiguous_result(block_size, append):
             paged = flash_attention_with_kvcache(q, k_pages, v_pages, seqlens_t, k=k, v=v, block_table=table)
         # the same blocks in the same order: only the addresses differ
         assert torch.equal(paged, contiguous)
+        # page numbers loaded a key block ahead, over blocks of 16 keys (several whole blocks a split, pages that
+        # straddle blocks): the same result as loaded with their blocks
+        results = []
+        for ahead in (False, True):
+            with _forced(splits, block_n=16, pages_ahead=ahead):
+                results.append(flash_attention_with_kvcache(q, k_pages, v_pages, seqlens_t, k=k, v=v,
+                                                            block_table=table))
+        assert torch.equal(*results)
     if append:  # the new tokens landed in their pages (the second call wrote the same values again)
         for b, start in enumerate(seqlens):
             for t in range(sq):
@@ -238,17 +249,22 @@ def test_lengths_past_the_capacity_are_clamped():
     assert torch.isfinite(out).all()
 
 
+def _splits_and_balanced(*args, **kwargs):
+    plan = configs.decode_plan(*args, **kwargs)
+    return plan.splits, plan.balanced
+
+
 def test_decode_plan_splits_from_the_gpu_and_the_shapes(monkeypatch):
     plan = configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132)
     assert plan.splits == 16 and plan.block_n == 128  # 128 programs in one wave over 132 SMs
     # several sequences: one wave of programs per key/value head shares the batch's keys
-    assert configs.decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, False, 132)[-2:] == (16, True)
-    assert configs.decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, True, 132)[-2:] == (33, True)  # paged: 2 per SM
+    assert _splits_and_balanced(64, 8, 4, 128, torch.bfloat16, 8192, False, 132) == (16, True)
+    assert _splits_and_balanced(3, 8, 4, 128, torch.bfloat16, 32768, True, 132) == (33, True)  # paged: 2 per SM
     # ... but not where a full cache's per-sequence splits are short (32 blocks in 8 splits), nor where a wave has no
     # room for every head, nor in an FP8 cache
-    assert configs.decode_plan(16, 1, 16, 64, torch.bfloat16, 8192, False, 132)[-2:] == (8, False)
-    assert configs.decode_plan(2, 256, 1, 128, torch.bfloat16, 8192, False, 132)[-2:] == (1, False)
-    assert configs.decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, False, 132, fp8=True)[-2:] == (1, False)  # FP8
+    assert _splits_and_balanced(16, 1, 16, 64, torch.bfloat16, 8192, False, 132) == (8, False)
+    assert _splits_and_balanced(2, 256, 1, 128, torch.bfloat16, 8192, False, 132) == (1, False)
+    assert _splits_and_balanced(64, 8, 4, 128, torch.bfloat16, 8192, False, 132, fp8=True) == (1, False)  # FP8
     # a small cache splits up to 8 ways, one key block a split at the least (a step that is latency, not bytes);
     # 4 blocks a split from 32 blocks on; never past the programs per SM
     assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 512, False, 132).splits == 4  # 4 key blocks: 4 splits
@@ -273,6 +289,11 @@ def test_decode_plan_splits_from_the_gpu_and_the_shapes(monkeypatch):
     assert configs.decode_plan(32, 8, 4, 64, torch.bfloat16, 8192, True, 132, fp8=True).splits == 2
     assert configs.decode_plan(32, 8, 4, 128, torch.bfloat16, 8192, True, 132, fp8=True).splits == 1
     assert configs.decode_plan(1, 8, 4, 64, torch.bfloat16, 32768, True, 132, fp8=True).splits == 32
+    # page numbers a key block ahead: paged FP8 caches past D 64 only
+    assert configs.decode_plan(8, 8, 4, 128, torch.bfloat16, 32768, True, 132, fp8=True).pages_ahead
+    assert not configs.decode_plan(8, 8, 4, 128, torch.bfloat16, 32768, False, 132, fp8=True).pages_ahead
+    assert not configs.decode_plan(8, 8, 4, 64, torch.bfloat16, 32768, True, 132, fp8=True).pages_ahead
+    assert not configs.decode_plan(8, 8, 4, 128, torch.bfloat16, 32768, True, 132).pages_ahead
     wide = configs.decode_plan(1, 8, 4, 1024, torch.float32, 4096, False, 132)
     assert wide.block_n == 16 and wide.num_stages == 1 and wide.block_m == 16  # 128 KiB of K and V per stage
 
@@ -374,6 +395,13 @@ def test_fp8_cache_matches_the_twin_and_quantises_appends_as_torch(dtype, scale_
     assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=ATOL[dtype])
+    if paged:  # page numbers loaded a key block ahead: the same result (the appends now write the same bytes again)
+        results = []
+        for ahead in (False, True):
+            with _forced(None, block_n=16, pages_ahead=ahead):
+                results.append(flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v,
+                                                            block_table=table, k_scale=scales[0], v_scale=scales[1]))
+        assert torch.equal(*results)
 
 
 def test_fp8_rounding_is_torchs_at_ties_and_the_formats_edges():

@@ -19,11 +19,12 @@ Implements ``reference.attention.attention_with_kvcache`` (read beside it) in tw
 
 Masks: the forward's band with ``Sk = L`` per sequence (queries align bottom-right); key blocks every row sees whole
 load without a mask (``MASKED``, a compile-time variant of one loop). Paged caches (``PAGED``): each key row finds
-its page through ``block_table[b, j // block_size]`` (any page size, a shift where it is a power of two), loads the
-K/V loads depend on, so a paged launch runs two programs per SM. FP8 caches: tiles widen to q's dtype for their
-products, to fp16 where q is bf16 (``_fp16_queries``: one conversion per pair, where bf16 is a chain); the K scale
-multiplies the softmax scale, the V scale the output. The widening bounds a contiguous FP8 step, not memory, so it
-too runs two programs per SM.
+its page through ``block_table[b, j // block_size]`` (any page size, a shift where it is a power of two); a K/V load
+waits on its page numbers, so the pipeliner keeps one block in flight and a paged launch runs two programs per SM,
+or (``PAGES_AHEAD``, paged FP8) the page numbers load a block early and two blocks stay in flight. FP8 caches: tiles
+widen to q's dtype for their products, to fp16 where q is bf16 (``_fp16_queries``: one conversion per pair, where
+bf16 is a chain); the K scale multiplies the softmax scale, the V scale the output. The widening bounds a contiguous
+FP8 step, not memory, so it too runs two programs per SM.
 
 Limits: forward only, any head dim of the family (padded to a power of two), fp16/bf16/fp32 and float8_e4m3fn
 caches; ``cache_seqlens[b] + Sq_new`` is clamped to [0, capacity] on the device, block-table entries are not checked.
@@ -80,6 +81,22 @@ def _fp8_e4m3_bits(x):
 def _sequence_keys(seqlens_ptr, b, new_tokens, capacity):
     """``L``: the keys of sequence ``b`` after the append, clamped to ``[0, capacity]``."""
     return tl.minimum(tl.maximum(tl.load(seqlens_ptr + b) + new_tokens, 0), capacity)
+
+
+@triton.jit
+def _row_in_page(cols, block_size, PAGE_SHIFT: tl.constexpr):
+    """Rows of cache positions ``cols`` within their pages (a mask where pages are ``2^PAGE_SHIFT`` long)."""
+    if PAGE_SHIFT >= 0:
+        return cols & ((1 << PAGE_SHIFT) - 1)
+    return cols % block_size
+
+
+@triton.jit
+def _page_numbers(cols, table_row, block_size, end, PAGE_SHIFT: tl.constexpr):
+    """The pages of cache positions ``cols`` of one sequence (page 0 for positions at or past ``end``, whose table
+    entries may lie past the row)."""
+    page_of = cols >> PAGE_SHIFT if PAGE_SHIFT >= 0 else cols // block_size
+    return tl.load(table_row + page_of, mask=cols < end, other=0)
 
 
 @triton.jit
@@ -170,13 +187,27 @@ def _kvcache_attn_inner(
     stride_kpage, stride_ks, stride_kd, stride_vpage, stride_vs, stride_vd, lo_shift, hi_shift, scale_log2,
     MASKED: tl.constexpr, PAGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+    PAGES_AHEAD: tl.constexpr = False,
 ):
     """Stream cache positions [start, end) (whole key blocks, except a masked last one) through the online
-    softmax (base 2)."""
+    softmax (base 2). ``PAGES_AHEAD`` (paged, whole blocks): each block's page numbers are loaded one iteration
+    before its K and V, a loop-carried vector, so that no K/V load waits on a table load of its own iteration."""
+    ahead = PAGED and PAGES_AHEAD and not MASKED
+    pages = offs_n
+    if ahead:
+        pages = _page_numbers(start + offs_n, table_row, block_size, end, PAGE_SHIFT)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k_rows = _cache_row_offsets(cols, table_row, block_size, stride_kpage, stride_ks, L, PAGED, MASKED, PAGE_SHIFT)
-        v_rows = _cache_row_offsets(cols, table_row, block_size, stride_vpage, stride_vs, L, PAGED, MASKED, PAGE_SHIFT)
+        if ahead:
+            row_in_page = _row_in_page(cols, block_size, PAGE_SHIFT).to(tl.int64)
+            k_rows = pages.to(tl.int64) * stride_kpage + row_in_page * stride_ks
+            v_rows = pages.to(tl.int64) * stride_vpage + row_in_page * stride_vs
+            pages = _page_numbers(cols + BLOCK_N, table_row, block_size, end, PAGE_SHIFT)
+        else:
+            k_rows = _cache_row_offsets(cols, table_row, block_size, stride_kpage, stride_ks, L, PAGED, MASKED,
+                                        PAGE_SHIFT)
+            v_rows = _cache_row_offsets(cols, table_row, block_size, stride_vpage, stride_vs, L, PAGED, MASKED,
+                                        PAGE_SHIFT)
         k_ptrs = k_head + k_rows[:, None] + offs_d[None, :] * stride_kd
         v_ptrs = v_head + v_rows[:, None] + offs_d[None, :] * stride_vd
         k = _load_tile(k_ptrs, cols, L, offs_d, D, MASKED, EVEN_D).to(q.dtype)  # an FP8 cache's tiles widen here
@@ -214,6 +245,7 @@ def _decode_rows(
     STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, K_SCALE_IN_MEMORY: tl.constexpr,
     V_SCALE_IN_MEMORY: tl.constexpr, PAGE_SHIFT: tl.constexpr, LONE_PARTS: tl.constexpr,
+    PAGES_AHEAD: tl.constexpr,
 ):
     """Row block ``pid_r`` of sequence ``b`` and key/value head ``hk`` over key blocks ``[first_block, end_block)``
     of the keys its queries see (counted from ``lo``): one of the ``splits`` parts of those keys, whose partial
@@ -270,7 +302,7 @@ def _decode_rows(
     acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, full_lo, full_hi, q_idx,
                                         offs_n, offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
                                         stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, False, PAGED, HAS_LEFT,
-                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT)
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT, PAGES_AHEAD)
     acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, full_hi, end, q_idx, offs_n,
                                         offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
                                         stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, True, PAGED, HAS_LEFT,
@@ -333,6 +365,7 @@ def _kvcache_attn_kernel(
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, K_SCALE_IN_MEMORY: tl.constexpr,
     V_SCALE_IN_MEMORY: tl.constexpr, BALANCED: tl.constexpr = False, BLOCK_B: tl.constexpr = 1,
     PAGE_SHIFT: tl.constexpr = -1,  # PAGED: log2(block_size) where it is a power of two, else -1
+    PAGES_AHEAD: tl.constexpr = False,  # PAGED: page numbers loaded a key block ahead (DecodePlan.pages_ahead)
 ):
     pid_r = tl.program_id(2)
     if BALANCED:
@@ -371,7 +404,7 @@ def _kvcache_attn_kernel(
                          stride_k_scale, stride_v_scale, b, hk, pid_r, first_block, end_block, slots + b + program,
                          slots + b + seq_first, seq_last - seq_first + 1, HAS_LEFT, HAS_RIGHT, PAGED, SPLIT,
                          STORE_LSE, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, DOT_PRECISION, K_SCALE_IN_MEMORY,
-                         V_SCALE_IN_MEMORY, PAGE_SHIFT, True)
+                         V_SCALE_IN_MEMORY, PAGE_SHIFT, True, PAGES_AHEAD)
     else:
         # program (sequence * head, split, row block): the keys the sequence's queries see cut into SPLITS parts
         pid_bhk = tl.program_id(0)
@@ -388,7 +421,7 @@ def _kvcache_attn_kernel(
                      stride_k_scale, stride_v_scale, b, hk, pid_r, split * per_split, (split + 1) * per_split,
                      pid_bhk * SPLITS + split, pid_bhk * SPLITS, SPLITS, HAS_LEFT, HAS_RIGHT, PAGED, SPLIT,
                      STORE_LSE, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, DOT_PRECISION, K_SCALE_IN_MEMORY,
-                     V_SCALE_IN_MEMORY, PAGE_SHIFT, False)
+                     V_SCALE_IN_MEMORY, PAGE_SHIFT, False, PAGES_AHEAD)
 
 
 #: splits the combine takes per step, their loads issued together

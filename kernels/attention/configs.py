@@ -599,6 +599,12 @@ DECODE_MIN_BLOCKS_PER_SPLIT = 4
 #: 32 blocks on). FP8 caches alike: Sk 1024 in 8 splits 1.46x / 1.57x over 2, Sk 2048 1.25x / 1.30x over 4, D 64
 #: 1.40x / 1.62x, B 4 1.15x / 1.29x.
 DECODE_SMALL_CACHE_SPLITS = 8
+#: A paged FP8 cache past D 64 loads each key block's page numbers one iteration ahead (``DecodePlan.pages_ahead``),
+#: so the pipeliner keeps two K/V blocks in flight, as in a contiguous cache (74 KiB of shared memory: two programs
+#: per SM still fit). H100, D 128, pages of 16: B 1 Sk 32768 1.08x, B 8 1.09x, B 64 Sk 8192 1.12x. Not at D 64,
+#: where a paged FP8 cache runs four programs per SM (0.83x), nor for 16-bit caches (139 KiB: one program per SM;
+#: 0.98-1.01x at two per SM's split count, 1.07x at B 1 with one per SM's).
+DECODE_PAGED_FP8_PAGES_AHEAD = True
 DECODE_MAX_SPLITS = 128
 #: Balanced splits for batches of several sequences in a 16-bit cache: each key/value head's programs, one wave of
 #: them, share the batch's key blocks (read from the lengths on the GPU) evenly, a share crossing sequence boundaries,
@@ -618,6 +624,7 @@ class DecodePlan(NamedTuple):
     num_stages: int
     splits: int  # key splits per (batch, key/value head), 1: nothing to combine; balanced: programs per head
     balanced: bool = False  # the batch's keys shared evenly by `splits` programs per head (DECODE_BALANCED_SPLITS)
+    pages_ahead: bool = False  # paged: each key block's page numbers loaded one iteration before its K and V
 
 
 def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int, paged: bool,
@@ -649,7 +656,9 @@ def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtyp
     if (DECODE_BALANCED_SPLITS and not fp8 and batch > 1 and wave >= 1
             and blocks >= DECODE_BALANCED_MIN_BLOCKS * splits):
         return DecodePlan(row_tile, key_tile, 4, stages, min(wave, DECODE_MAX_SPLITS * batch), True)
-    return DecodePlan(row_tile, key_tile, 4, stages, splits)
+    # a paged FP8 cache's K/V loads wait on no page-number load of their own iteration (DECODE_PAGED_FP8_PAGES_AHEAD)
+    ahead = DECODE_PAGED_FP8_PAGES_AHEAD and paged and fp8 and bd > 64
+    return DecodePlan(row_tile, key_tile, 4, stages, splits, pages_ahead=ahead)
 
 
 _decode_plan_cached = functools.lru_cache(maxsize=1024)(_decode_plan)

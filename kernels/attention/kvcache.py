@@ -605,7 +605,8 @@ def _attend_parts(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_tab
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, PAGED=paged, SPLIT=split, STORE_LSE=return_lse,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd,
             DOT_PRECISION=dot_precision(q.dtype), **scale_flags, BALANCED=balanced,
-            BLOCK_B=triton.next_power_of_2(batch) if balanced else 1, PAGE_SHIFT=page_shift, num_warps=plan.num_warps,
+            BLOCK_B=triton.next_power_of_2(batch) if balanced else 1, PAGE_SHIFT=page_shift,
+            PAGES_AHEAD=paged and plan.pages_ahead, num_warps=plan.num_warps,
             num_stages=plan.num_stages,
         )
 
