@@ -84,18 +84,21 @@ def _sequence_keys(seqlens_ptr, b, new_tokens, capacity):
 
 
 @triton.jit
-def _row_in_page(cols, block_size, PAGE_SHIFT: tl.constexpr):
-    """Rows of cache positions ``cols`` within their pages (a mask where pages are ``2^PAGE_SHIFT`` long)."""
+def _page_position(cols, block_size, PAGE_SHIFT: tl.constexpr):
+    """``(page_of, row_in_page)`` of cache positions ``cols``: their page's index in the sequence's table row and
+    their row in it. Pages of ``2^PAGE_SHIFT`` positions split a position by a shift and a mask; other sizes
+    (``PAGE_SHIFT`` -1) by a division by the runtime ``block_size``, a routine of about twenty instructions per
+    position."""
     if PAGE_SHIFT >= 0:
-        return cols & ((1 << PAGE_SHIFT) - 1)
-    return cols % block_size
+        return cols >> PAGE_SHIFT, cols & ((1 << PAGE_SHIFT) - 1)
+    return cols // block_size, cols % block_size
 
 
 @triton.jit
 def _page_numbers(cols, table_row, block_size, end, PAGE_SHIFT: tl.constexpr):
     """The pages of cache positions ``cols`` of one sequence (page 0 for positions at or past ``end``, whose table
     entries may lie past the row)."""
-    page_of = cols >> PAGE_SHIFT if PAGE_SHIFT >= 0 else cols // block_size
+    page_of, _ = _page_position(cols, block_size, PAGE_SHIFT)
     return tl.load(table_row + page_of, mask=cols < end, other=0)
 
 
@@ -103,14 +106,9 @@ def _page_numbers(cols, table_row, block_size, end, PAGE_SHIFT: tl.constexpr):
 def _cache_row_offsets(cols, table_row, block_size, stride_page, stride_s, L, PAGED: tl.constexpr,
                        MASKED: tl.constexpr, PAGE_SHIFT: tl.constexpr):
     """64-bit offsets of cache positions ``cols`` of one sequence and head: ``cols * stride_s`` in a contiguous cache,
-    ``page * stride_page + row * stride_s`` in a paged one (positions at or past ``L`` read page 0 when ``MASKED``).
-    Pages of ``2^PAGE_SHIFT`` positions split a position by a shift and a mask; other sizes (``PAGE_SHIFT`` -1) by a
-    division by the runtime ``block_size``, a routine of about twenty instructions per position."""
+    ``page * stride_page + row * stride_s`` in a paged one (positions at or past ``L`` read page 0 when ``MASKED``)."""
     if PAGED:
-        if PAGE_SHIFT >= 0:
-            page_of, row_in_page = cols >> PAGE_SHIFT, cols & ((1 << PAGE_SHIFT) - 1)
-        else:
-            page_of, row_in_page = cols // block_size, cols % block_size
+        page_of, row_in_page = _page_position(cols, block_size, PAGE_SHIFT)
         if MASKED:
             pages = tl.load(table_row + page_of, mask=cols < L, other=0)
         else:
@@ -199,9 +197,9 @@ def _kvcache_attn_inner(
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         if ahead:
-            row_in_page = _row_in_page(cols, block_size, PAGE_SHIFT).to(tl.int64)
-            k_rows = pages.to(tl.int64) * stride_kpage + row_in_page * stride_ks
-            v_rows = pages.to(tl.int64) * stride_vpage + row_in_page * stride_vs
+            _, row_in_page = _page_position(cols, block_size, PAGE_SHIFT)
+            k_rows = pages.to(tl.int64) * stride_kpage + row_in_page.to(tl.int64) * stride_ks
+            v_rows = pages.to(tl.int64) * stride_vpage + row_in_page.to(tl.int64) * stride_vs
             pages = _page_numbers(cols + BLOCK_N, table_row, block_size, end, PAGE_SHIFT)
         else:
             k_rows = _cache_row_offsets(cols, table_row, block_size, stride_kpage, stride_ks, L, PAGED, MASKED,
