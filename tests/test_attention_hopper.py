@@ -445,9 +445,23 @@ def test_shorter_causal_head_dim_64_calls_take_one_consumer_per_program():
     two_consumers = configs.HOPPER_FORWARD_SHORT[64][0]
     for sq, sk in ((least - 1, least), (below, below), (1000, below)):  # outside the measured lengths
         assert configs.hopper_forward_tile(64, sq, right=0, sk=sk) == two_consumers
-    assert configs.hopper_forward_tile(64, 1000, sk=1000) == two_consumers  # full attention
+    assert configs.hopper_forward_tile(64, 1024, sk=1024) == two_consumers  # full attention from 1024 keys
     assert configs.hopper_forward_tile(64, 1000, left=0, right=0, sk=1000) == configs.HOPPER_FORWARD[64]  # left edge
     assert configs.hopper_forward_tile(64, 1000, right=0) == tile  # keys as many as queries when not given
+
+
+def test_short_full_head_dim_64_calls_take_one_consumer_per_program_on_any_grid():
+    tile = configs.HOPPER_FORWARD_SHORT_CAUSAL[64][0]
+    least, below = configs.HOPPER_FORWARD_SHORT_FULL[64]
+    for sq, sk in ((least, least), (below - 1, below - 1), (least, below - 1), (512, 512)):
+        assert configs.hopper_forward_tile(64, sq, sk=sk) == tile
+        assert configs.prefers_hopper_forward(64, 1, 132, sq, sk, full=True)  # whatever the grid
+    two_consumers = configs.HOPPER_FORWARD_SHORT[64][0]
+    for sq, sk in ((least - 1, least), (below, below), (512, below)):  # outside the measured lengths
+        assert configs.hopper_forward_tile(64, sq, sk=sk) == two_consumers
+    assert not configs.prefers_hopper_forward(64, 1, 132, least - 1, least - 1, full=True)
+    assert configs.hopper_forward_tile(64, 512, left=0, right=0, sk=512) == configs.HOPPER_FORWARD[64]  # a band
+    assert configs.hopper_forward_tile(128, 512, sk=512) == configs.HOPPER_FORWARD[128]  # D 128: not measured
 
 
 def test_short_causal_head_dim_128_calls_take_64_key_blocks():

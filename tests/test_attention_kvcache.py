@@ -280,10 +280,22 @@ def test_decode_plan_splits_from_the_gpu_and_the_shapes(monkeypatch):
     monkeypatch.setattr(configs, "DECODE_BALANCED_SPLITS", False)  # splits per sequence
     assert configs._decode_plan(3, 8, 4, 128, torch.bfloat16, 32768, False, 132).splits == 5  # 120 programs, not 144
     assert configs._decode_plan(64, 8, 4, 128, torch.bfloat16, 8192, False, 132).splits == 1  # 512 programs already
-    # paged: 2 per SM would be 33 splits, but 256 key blocks in chunks of 8 fill 32 of them: the empty one is dropped
-    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, True, 132).splits == 32
-    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132, fp8=True).splits == 32  # FP8: 2 per SM
-    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 30000, True, 132).splits == 30  # 235 blocks, 8 each
+    # FP8: 2 per SM would be 33 splits, but 256 key blocks in chunks of 8 fill 32 of them: the empty one is dropped
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132, fp8=True).splits == 32
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 30000, False, 132, fp8=True).splits == 30  # 235 blocks
+    # one sequence in a paged 16-bit cache: page numbers a block ahead, one program per SM (as contiguous); batches
+    # of several sequences keep two per SM (balanced splits) and no look-ahead
+    one = configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, True, 132)
+    assert one.pages_ahead and one.splits == 16 and one == configs.decode_plan(1, 8, 4, 128, torch.float16, 32768,
+                                                                                True, 132)._replace(pages_ahead=True)
+    assert configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132).splits == 16
+    assert not configs.decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, False, 132).pages_ahead  # contiguous
+    assert not configs.decode_plan(1, 8, 4, 128, torch.float32, 32768, True, 132).pages_ahead  # not measured
+    several = configs._decode_plan(2, 8, 4, 128, torch.bfloat16, 32768, True, 132)
+    assert not several.pages_ahead and several.splits == 16  # 2 per SM (per-sequence splits in this test)
+    monkeypatch.setattr(configs, "DECODE_PAGED_ONE_SEQUENCE_AHEAD", False)  # two per SM, 33 -> 32 as above
+    assert configs._decode_plan(1, 8, 4, 128, torch.bfloat16, 32768, True, 132) == one._replace(splits=32,
+                                                                                               pages_ahead=False)
     # a paged FP8 cache at D <= 64 whose 256 (sequence, head) programs fill the SMs: 4 per SM, 2 splits; not at D 128,
     # nor at B 1 (8 programs: 2 per SM)
     assert configs.decode_plan(32, 8, 4, 64, torch.bfloat16, 8192, True, 132, fp8=True).splits == 2

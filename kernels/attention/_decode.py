@@ -21,10 +21,10 @@ Masks: the forward's band with ``Sk = L`` per sequence (queries align bottom-rig
 load without a mask (``MASKED``, a compile-time variant of one loop). Paged caches (``PAGED``): each key row finds
 its page through ``block_table[b, j // block_size]`` (any page size, a shift where it is a power of two); a K/V load
 waits on its page numbers, so the pipeliner keeps one block in flight and a paged launch runs two programs per SM,
-or (``PAGES_AHEAD``, paged FP8) the page numbers load a block early and two blocks stay in flight. FP8 caches: tiles
-widen to q's dtype for their products, to fp16 where q is bf16 (``_fp16_queries``: one conversion per pair, where
-bf16 is a chain); the K scale multiplies the softmax scale, the V scale the output. The widening bounds a contiguous
-FP8 step, not memory, so it too runs two programs per SM.
+or (``PAGES_AHEAD``: paged FP8, or one sequence at one program per SM) the page numbers load a block early. FP8
+caches: tiles widen to q's dtype for their products, to fp16 where q is bf16 (``_fp16_queries``: one conversion per
+pair, where bf16 is a chain); the K scale multiplies the softmax scale, the V scale the output. The widening bounds
+a contiguous FP8 step, not memory, so it too runs two programs per SM.
 
 Limits: forward only, any head dim of the family (padded to a power of two), fp16/bf16/fp32 and float8_e4m3fn
 caches; ``cache_seqlens[b] + Sq_new`` is clamped to [0, capacity] on the device, block-table entries are not checked.

@@ -288,12 +288,26 @@ HOPPER_FORWARD_SHORT_CAUSAL: dict[int, tuple[HopperForwardTile, int, int]] = {
 }
 
 
+#: Full attention (no band edge) at these padded head dims with both lengths in ``[least, below)`` takes the same
+#: one-consumer tile, three persistent programs per SM: at 512 keys a 128-row tile's walk is 4 key blocks, too short
+#: for its prologue and epilogue to hide, where three 64-row programs per SM overlap each other's. H100, bf16 / fp16,
+#: public calls, 5 interleaved rounds, against the portable kernel that took these calls: S 256 1.18x, S 384 1.12x,
+#: S 512 1.06-1.10x (B64 H12, B64 H16, B32 H32), S 768 1.04x, S 896 1.01x; at S 1024 0.95-0.99x the two-consumer
+#: tile, which keeps those calls (record ``attention-forward-short-full-one-consumer-2026-12-07.txt``).
+HOPPER_FORWARD_SHORT_FULL: dict[int, tuple[int, int]] = {64: (256, 1024)}
+
+
 def _short_causal_tile(block_d: int, sq: int, sk: int, left: int, right: int) -> HopperForwardTile | None:
-    """The tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL` for this call, or None where it does not apply."""
+    """The tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL` for this call (a right band edge alone, or none at all
+    within :data:`HOPPER_FORWARD_SHORT_FULL`'s lengths), or None where it does not apply."""
     entry = HOPPER_FORWARD_SHORT_CAUSAL.get(block_d)
-    if entry is None or left >= 0 or right < 0:
+    if entry is None or left >= 0:
         return None
     tile, least, below = entry
+    if right < 0:
+        if block_d not in HOPPER_FORWARD_SHORT_FULL:
+            return None
+        least, below = HOPPER_FORWARD_SHORT_FULL[block_d]
     return tile if least <= sq < below and least <= sk < below else None
 
 
@@ -339,8 +353,10 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
     matter (1 in the table). ``causal``: a right band edge alone. Such calls on the tile of
     :data:`HOPPER_FORWARD_SHORT_CAUSAL` take it at every grid and length it applies to (each measured at or above the
     portable kernel), and on the paired tile of :data:`HOPPER_FORWARD_SHORT` at every grid where the head dim is in
-    :data:`HOPPER_FORWARD_PAIRED_ANY_GRID`."""
+    :data:`HOPPER_FORWARD_PAIRED_ANY_GRID`; so do full calls within :data:`HOPPER_FORWARD_SHORT_FULL`'s lengths."""
     if causal and _short_causal_tile(block_d, sq, sk, -1, 0) is not None:
+        return True
+    if full and _short_causal_tile(block_d, sq, sk, -1, -1) is not None:
         return True
     least = HOPPER_FORWARD_MIN_LENGTH[block_d]
     if full:
@@ -605,6 +621,12 @@ DECODE_SMALL_CACHE_SPLITS = 8
 #: where a paged FP8 cache runs four programs per SM (0.83x), nor for 16-bit caches (139 KiB: one program per SM;
 #: 0.98-1.01x at two per SM's split count, 1.07x at B 1 with one per SM's).
 DECODE_PAGED_FP8_PAGES_AHEAD = True
+#: One sequence in a paged 16-bit cache loads its page numbers a block ahead too, and runs one program per SM (the
+#: split count of a contiguous cache): its programs (139 KiB of shared memory) never shared an SM, so the second
+#: per SM only ran as a second wave. H100, B 1 Hq 32/Hkv 8 D 128, pages of 16, against two programs per SM without
+#: it: Sk 16384 1.12x, Sk 32768 1.06x, Sk 65536 1.03x, Sk 131072 1.02x, Hkv 32 0.99x, D 64 1.08x; batches of
+#: several sequences (balanced splits) gain less or lose (B 2 1.03x, B 4 0.99x), so they keep their plan.
+DECODE_PAGED_ONE_SEQUENCE_AHEAD = True
 DECODE_MAX_SPLITS = 128
 #: Balanced splits for batches of several sequences in a 16-bit cache: each key/value head's programs, one wave of
 #: them, share the batch's key blocks (read from the lengths on the GPU) evenly, a share crossing sequence boundaries,
@@ -640,7 +662,9 @@ def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtyp
     stages = max(1, min(3, budget // (key_tile * key_bytes * 2)))
     programs = batch * kv_heads * cdiv(rows, row_tile)
     blocks = cdiv(capacity, key_tile)
-    per_sm = DECODE_PROGRAMS_PER_SM[paged or fp8]
+    one_sequence_ahead = (DECODE_PAGED_ONE_SEQUENCE_AHEAD and paged and not fp8 and batch == 1
+                          and dtype in (torch.float16, torch.bfloat16))
+    per_sm = DECODE_PROGRAMS_PER_SM[(paged and not one_sequence_ahead) or fp8]
     if paged and fp8 and bd <= 64 and programs >= multiprocessors:
         per_sm *= DECODE_PAGED_FP8_NARROW_FACTOR
     by_keys = cdiv(blocks, DECODE_MIN_BLOCKS_PER_SPLIT)
@@ -657,7 +681,7 @@ def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtyp
             and blocks >= DECODE_BALANCED_MIN_BLOCKS * splits):
         return DecodePlan(row_tile, key_tile, 4, stages, min(wave, DECODE_MAX_SPLITS * batch), True)
     # a paged FP8 cache's K/V loads wait on no page-number load of their own iteration (DECODE_PAGED_FP8_PAGES_AHEAD)
-    ahead = DECODE_PAGED_FP8_PAGES_AHEAD and paged and fp8 and bd > 64
+    ahead = (DECODE_PAGED_FP8_PAGES_AHEAD and paged and fp8 and bd > 64) or one_sequence_ahead
     return DecodePlan(row_tile, key_tile, 4, stages, splits, pages_ahead=ahead)
 
 
