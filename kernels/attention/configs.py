@@ -297,7 +297,7 @@ HOPPER_FORWARD_SHORT_CAUSAL: dict[int, tuple[HopperForwardTile, int, int]] = {
 HOPPER_FORWARD_SHORT_FULL: dict[int, tuple[int, int]] = {64: (256, 1024)}
 
 
-def _short_causal_tile(block_d: int, sq: int, sk: int, left: int, right: int) -> HopperForwardTile | None:
+def _one_consumer_tile(block_d: int, sq: int, sk: int, left: int, right: int) -> HopperForwardTile | None:
     """The tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL` for this call (a right band edge alone, or none at all
     within :data:`HOPPER_FORWARD_SHORT_FULL`'s lengths), or None where it does not apply."""
     entry = HOPPER_FORWARD_SHORT_CAUSAL.get(block_d)
@@ -316,9 +316,9 @@ def hopper_forward_tile(block_d: int, sq: int, left: int = -1, right: int = -1, 
     """The Hopper forward's tile for a call with padded head dim ``block_d``, ``sq`` queries, ``sk`` keys (None: as
     many as queries) and band edges ``left``, ``right`` (-1: none): the tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL`
     or :data:`HOPPER_FORWARD_SHORT` where one applies, else :data:`HOPPER_FORWARD`'s."""
-    short_causal = _short_causal_tile(block_d, sq, sq if sk is None else sk, left, right)
-    if short_causal is not None:
-        return short_causal
+    one_consumer = _one_consumer_tile(block_d, sq, sq if sk is None else sk, left, right)
+    if one_consumer is not None:
+        return one_consumer
     short = HOPPER_FORWARD_SHORT.get(block_d)
     if short is not None and left < 0:
         tile, full_below, right_edge_below = short
@@ -354,9 +354,7 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
     :data:`HOPPER_FORWARD_SHORT_CAUSAL` take it at every grid and length it applies to (each measured at or above the
     portable kernel), and on the paired tile of :data:`HOPPER_FORWARD_SHORT` at every grid where the head dim is in
     :data:`HOPPER_FORWARD_PAIRED_ANY_GRID`; so do full calls within :data:`HOPPER_FORWARD_SHORT_FULL`'s lengths."""
-    if causal and _short_causal_tile(block_d, sq, sk, -1, 0) is not None:
-        return True
-    if full and _short_causal_tile(block_d, sq, sk, -1, -1) is not None:
+    if (causal or full) and _one_consumer_tile(block_d, sq, sk, -1, 0 if causal else -1) is not None:
         return True
     least = HOPPER_FORWARD_MIN_LENGTH[block_d]
     if full:
