@@ -620,9 +620,9 @@ DECODE_SMALL_CACHE_SPLITS = 8
 #: 0.98-1.01x at two per SM's split count, 1.07x at B 1 with one per SM's).
 DECODE_PAGED_FP8_PAGES_AHEAD = True
 #: One sequence in a paged 16-bit cache loads its page numbers a block ahead too, and runs one program per SM (the
-#: split count of a contiguous cache): its programs (139 KiB of shared memory) never shared an SM, so the second
-#: per SM only ran as a second wave. H100, B 1 Hq 32/Hkv 8 D 128, pages of 16, against two programs per SM without
-#: it: Sk 16384 1.12x, Sk 32768 1.06x, Sk 65536 1.03x, Sk 131072 1.02x, Hkv 32 0.99x, D 64 1.08x; batches of
+#: split count of a contiguous cache): at D 128 its programs (139 KiB of shared memory) never shared an SM, so the
+#: second per SM only ran as a second wave. H100, B 1 Hq 32/Hkv 8 D 128, pages of 16, against two programs per SM
+#: without it: Sk 16384 1.12x, Sk 32768 1.06x, Sk 65536 1.03x, Sk 131072 1.02x, Hkv 32 0.99x, D 64 1.08x; batches of
 #: several sequences (balanced splits) gain less or lose (B 2 1.03x, B 4 0.99x), so they keep their plan.
 DECODE_PAGED_ONE_SEQUENCE_AHEAD = True
 DECODE_MAX_SPLITS = 128
