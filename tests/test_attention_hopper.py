@@ -448,6 +448,17 @@ def test_shorter_causal_head_dim_64_calls_take_one_consumer_per_program():
     assert configs.hopper_forward_tile(64, 1024, sk=1024) == two_consumers  # full attention from 1024 keys
     assert configs.hopper_forward_tile(64, 1000, left=0, right=0, sk=1000) == configs.HOPPER_FORWARD[64]  # left edge
     assert configs.hopper_forward_tile(64, 1000, right=0) == tile  # keys as many as queries when not given
+    # grouped-query calls keep the tile to a longer bound
+    grouped_below = configs.HOPPER_FORWARD_GROUPED_CAUSAL_BELOW[64]
+    assert grouped_below > below
+    for sq, sk in ((below, below), (grouped_below - 1, grouped_below - 1), (least, grouped_below - 1)):
+        assert configs.hopper_forward_tile(64, sq, right=0, sk=sk, grouped=True) == tile
+        assert configs.prefers_hopper_forward(64, 1, 132, sq, sk, causal=True, grouped=True)
+    for sq, sk in ((grouped_below, grouped_below), (least - 1, least)):  # the ungrouped call's tile
+        assert configs.hopper_forward_tile(64, sq, right=0, sk=sk, grouped=True) != tile
+        assert (configs.hopper_forward_tile(64, sq, right=0, sk=sk, grouped=True)
+                == configs.hopper_forward_tile(64, sq, right=0, sk=sk))
+    assert configs.hopper_forward_tile(64, below, sk=below, grouped=True) == configs.HOPPER_FORWARD[64]  # full
 
 
 def test_short_full_head_dim_64_calls_take_one_consumer_per_program_on_any_grid():

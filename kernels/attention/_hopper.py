@@ -18,9 +18,9 @@ head)):
   work items round robin, the ring and its barrier phases running on across tiles; under a causal mask an item pairs a
   head's i-th longest and i-th shortest query blocks (``PAIRED``), so that every item costs the same;
 - shorter calls take tiles of their own (``configs.HOPPER_FORWARD_SHORT``, ``configs.HOPPER_FORWARD_SHORT_CAUSAL``):
-  two persistent consumers at D 64, one consumer with three programs per SM for short D 64 (causal, and full below
-  1024 keys: ``configs.HOPPER_FORWARD_SHORT_FULL``), 64-key blocks for short causal D 128; head dims 65-96
-  (``D_SPLIT``) run the 128-column tiles over 64 + 32 columns.
+  two persistent consumers at D 64, one consumer with three programs per SM for short D 64 (causal, to 3072 keys
+  grouped, and full below 1024: ``configs.HOPPER_FORWARD_SHORT_FULL``), 64-key blocks for short causal D 128; head
+  dims 65-96 (``D_SPLIT``) run the 128-column tiles over 64 + 32 columns.
 
 Limits: sm_90, fp16/bf16, dense (B, H, S, D) tensors whose head dim is contiguous and whose other strides and base
 address are 16-byte aligned (TMA), padded head dims 64, 128 and 256, no dropout, no packed batches (under

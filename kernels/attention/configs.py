@@ -296,10 +296,20 @@ HOPPER_FORWARD_SHORT_CAUSAL: dict[int, tuple[HopperForwardTile, int, int]] = {
 #: tile, which keeps those calls (record ``attention-forward-short-full-one-consumer-2026-12-07.txt``).
 HOPPER_FORWARD_SHORT_FULL: dict[int, tuple[int, int]] = {64: (256, 1024)}
 
+#: Grouped-query calls (fewer K/V heads than query heads) under a causal mask take the one-consumer tile up to this
+#: bound on both lengths (exclusive) instead of :data:`HOPPER_FORWARD_SHORT_CAUSAL`'s. H100, bf16, public calls, 5
+#: interleaved rounds, against the two-consumer paired tile that took them: S 2048 1.04-1.05x at B8 H16/2 and B4
+#: H32/8, 1.01-1.02x at B16 H16/4 and B8 H32/4, S 2560 1.03x at B8 H16/2, S 3072 1.04x at B4 H16/4; S 4096 0.98x at
+#: B2 H32/8. Calls without a group keep the bound: 0.93-1.05x at S 2048-2560, depending on the grid (record
+#: ``attention-forward-grouped-causal-one-consumer-2026-12-08.txt``).
+HOPPER_FORWARD_GROUPED_CAUSAL_BELOW: dict[int, int] = {64: 3072 + 1}
 
-def _one_consumer_tile(block_d: int, sq: int, sk: int, left: int, right: int) -> HopperForwardTile | None:
-    """The tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL` for this call (a right band edge alone, or none at all
-    within :data:`HOPPER_FORWARD_SHORT_FULL`'s lengths), or None where it does not apply."""
+
+def _one_consumer_tile(block_d: int, sq: int, sk: int, left: int, right: int, grouped: bool = False
+                       ) -> HopperForwardTile | None:
+    """The tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL` for this call (a right band edge alone, to
+    :data:`HOPPER_FORWARD_GROUPED_CAUSAL_BELOW` where ``grouped``, or none at all within
+    :data:`HOPPER_FORWARD_SHORT_FULL`'s lengths), or None where it does not apply."""
     entry = HOPPER_FORWARD_SHORT_CAUSAL.get(block_d)
     if entry is None or left >= 0:
         return None
@@ -308,15 +318,18 @@ def _one_consumer_tile(block_d: int, sq: int, sk: int, left: int, right: int) ->
         if block_d not in HOPPER_FORWARD_SHORT_FULL:
             return None
         least, below = HOPPER_FORWARD_SHORT_FULL[block_d]
+    elif grouped:
+        below = max(below, HOPPER_FORWARD_GROUPED_CAUSAL_BELOW.get(block_d, below))
     return tile if least <= sq < below and least <= sk < below else None
 
 
-def hopper_forward_tile(block_d: int, sq: int, left: int = -1, right: int = -1, sk: int | None = None
-                        ) -> HopperForwardTile:
+def hopper_forward_tile(block_d: int, sq: int, left: int = -1, right: int = -1, sk: int | None = None,
+                        grouped: bool = False) -> HopperForwardTile:
     """The Hopper forward's tile for a call with padded head dim ``block_d``, ``sq`` queries, ``sk`` keys (None: as
-    many as queries) and band edges ``left``, ``right`` (-1: none): the tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL`
-    or :data:`HOPPER_FORWARD_SHORT` where one applies, else :data:`HOPPER_FORWARD`'s."""
-    one_consumer = _one_consumer_tile(block_d, sq, sq if sk is None else sk, left, right)
+    many as queries) and band edges ``left``, ``right`` (-1: none), ``grouped`` where K/V have fewer heads than the
+    queries: the tile of :data:`HOPPER_FORWARD_SHORT_CAUSAL` or :data:`HOPPER_FORWARD_SHORT` where one applies, else
+    :data:`HOPPER_FORWARD`'s."""
+    one_consumer = _one_consumer_tile(block_d, sq, sq if sk is None else sk, left, right, grouped)
     if one_consumer is not None:
         return one_consumer
     short = HOPPER_FORWARD_SHORT.get(block_d)
@@ -339,7 +352,7 @@ HOPPER_FORWARD_PAIRED_ANY_GRID: frozenset[int] = frozenset({64})
 
 
 def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: int, full: bool = False,
-                           causal: bool = False) -> bool:
+                           causal: bool = False, grouped: bool = False) -> bool:
     """Whether ``auto`` runs a supported forward call (padded head dim ``block_d``, ``programs`` Hopper tiles on
     ``sms`` SMs, lengths ``sq`` and ``sk``; ``full``: no band edge) on the Hopper kernel: on a grid of at least
     :data:`HOPPER_MIN_PROGRAMS_PER_SM` tiles per SM for its head dim, with Sq and Sk both reaching
@@ -353,8 +366,9 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
     matter (1 in the table). ``causal``: a right band edge alone. Such calls on the tile of
     :data:`HOPPER_FORWARD_SHORT_CAUSAL` take it at every grid and length it applies to (each measured at or above the
     portable kernel), and on the paired tile of :data:`HOPPER_FORWARD_SHORT` at every grid where the head dim is in
-    :data:`HOPPER_FORWARD_PAIRED_ANY_GRID`; so do full calls within :data:`HOPPER_FORWARD_SHORT_FULL`'s lengths."""
-    if (causal or full) and _one_consumer_tile(block_d, sq, sk, -1, 0 if causal else -1) is not None:
+    :data:`HOPPER_FORWARD_PAIRED_ANY_GRID`; so do full calls within :data:`HOPPER_FORWARD_SHORT_FULL`'s lengths.
+    ``grouped``: K/V have fewer heads than the queries (:data:`HOPPER_FORWARD_GROUPED_CAUSAL_BELOW`)."""
+    if (causal or full) and _one_consumer_tile(block_d, sq, sk, -1, 0 if causal else -1, grouped) is not None:
         return True
     least = HOPPER_FORWARD_MIN_LENGTH[block_d]
     if full:
@@ -363,7 +377,7 @@ def prefers_hopper_forward(block_d: int, programs: int, sms: int, sq: int, sk: i
         return False
     short = HOPPER_FORWARD_SHORT.get(block_d)
     paired = (causal and block_d in HOPPER_FORWARD_PAIRED_ANY_GRID and short is not None
-              and hopper_forward_tile(block_d, sq, -1, 0, sk) == short[0])
+              and hopper_forward_tile(block_d, sq, -1, 0, sk, grouped) == short[0])
     return paired or programs >= HOPPER_MIN_PROGRAMS_PER_SM[block_d] * sms
 
 

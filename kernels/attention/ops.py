@@ -222,10 +222,12 @@ def uses_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
         return False
     if path == "hopper":
         return True
-    rows = configs.hopper_forward_tile(bd, q.shape[2], left, right, k.shape[2]).query_rows
+    grouped = k.shape[1] != q.shape[1]
+    rows = configs.hopper_forward_tile(bd, q.shape[2], left, right, k.shape[2], grouped).query_rows
     programs = cdiv(q.shape[2], rows) * q.shape[0] * q.shape[1]
     return configs.prefers_hopper_forward(bd, programs, configs.sm_count(q.device), q.shape[2], k.shape[2],
-                                          full=left < 0 and right < 0, causal=left < 0 and right >= 0)
+                                          full=left < 0 and right < 0, causal=left < 0 and right >= 0,
+                                          grouped=grouped)
 
 
 _GLUON_DTYPES = {torch.float16: _hopper.gl.float16, torch.bfloat16: _hopper.gl.bfloat16}
@@ -251,7 +253,7 @@ def _splits_96(tile, block_d: int, d: int) -> bool:
 def _launch_fwd_hopper(q, k, v, o, lse, left: int, right: int, scale: float, persistent: bool = True):
     b, hq, hkv, sq, sk, d = _dims(q, k, None)
     bd = configs.block_d(d)
-    t = configs.hopper_forward_tile(bd, sq, left, right, sk)
+    t = configs.hopper_forward_tile(bd, sq, left, right, sk, hkv != hq)
     q_block, kv_block = (1, 1, _hopper.CONSUMER_ROWS, bd), (1, 1, t.block_n, bd)
     band, band_flags = _band(left, right)
     tiles_m = cdiv(sq, t.query_rows)
