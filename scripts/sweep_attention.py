@@ -25,7 +25,8 @@ main:kernels/attention/_decode.py > /tmp/base.py``) times every plan also with t
 (``kvcache.kernels_from``), named ``... @base``: a decode kernel change against its baseline in the same rounds.
 Device time by CUDA-graph replay (inputs cycled past L2), the variants interleaved over ``--rounds`` rounds; prints
 µs, GB/s of the cache read and each plan's speed-up over the table's, and an FP8 cache's over the 16-bit cache's table
-plan (tokens/s).
+plan (tokens/s). Before timing, each variant's output on one set of inputs is compared with the table plan's
+(``_decode_output_gaps``); a variant off by more than ``DECODE_OUTPUT_TOLERANCE`` is reported and not timed.
 """
 
 from __future__ import annotations
@@ -119,6 +120,37 @@ def _decode_plan_change(spec: str):
     return adjust
 
 
+#: largest max |variant - table plan| / max(1, max |table plan|) of a decode variant's output: a different split count
+#: or tile reorders the fp32 sums and may flip the last bit of a 16-bit output, nothing more
+DECODE_OUTPUT_TOLERANCE = 2e-2
+
+
+@contextlib.contextmanager
+def _under(kernel_version, adjust):
+    """A decode variant: its kernels (``kernel_version()``) and its plan change (``adjust``) in force."""
+    with kernel_version(), configs.override_decode(adjust):
+        yield
+
+
+def _decode_output_gaps(call, variants) -> dict[str, float]:
+    """Max |output - the first variant's| / max(1, max |the first variant's output|) of ``call`` (one decode step,
+    the same inputs each time) under each variant, ``name -> context manager factory``; NaN in an output counts as
+    an infinite gap. A variant other than the first that raises (a plan that does not fit) has no entry."""
+    with next(iter(variants.values()))():
+        reference = call().float()
+    scale = max(1.0, reference.abs().max().item())
+    gaps = {}
+    for name, context in variants.items():
+        try:
+            with context():
+                out = call().float()
+        except Exception:  # reported where the variant is timed
+            continue
+        gap = (out - reference).abs().max().item() / scale
+        gaps[name] = math.inf if math.isnan(gap) else gap
+    return gaps
+
+
 def decode_main(args) -> None:
     from benchmarks import bench_attention as bench_points
     from benchmarks._harness import graph_ms
@@ -159,20 +191,34 @@ def decode_main(args) -> None:
                 variants["16-bit cache, table"] = (plans["table"], False, contextlib.nullcontext)
             read = {kind: make(kind)[1] for kind in {fp8, False}}
             times: dict[str, list[float]] = {name: [] for name in variants}
+            # the variants of the table's cache kind on one set of inputs: a plan or kernel that changes the result
+            # is not timed
+            same_cache = {name: functools.partial(_under, kernel_version, adjust)
+                          for name, (adjust, narrow, kernel_version) in variants.items() if narrow == fp8}
+            try:
+                gaps = _decode_output_gaps(make(fp8)[0], same_cache)
+            except Exception as err:  # the table's plan itself failed: the timing loop reports it
+                gaps = {}
+                print(f"  output check: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+            for name, gap in gaps.items():
+                if gap > DECODE_OUTPUT_TOLERANCE:
+                    print(f"  {name}: output off the table plan's by {gap:.3g} (relative): not timed")
+                    times[name] = [math.nan] * args.rounds
+                    del variants[name]
             for _ in range(args.rounds):
                 for name, (adjust, narrow, kernel_version) in variants.items():
                     try:
-                        with kernel_version(), configs.override_decode(adjust):
+                        with _under(kernel_version, adjust):
                             times[name].append(graph_ms(lambda: make(narrow)[0], touched_bytes=read[narrow]))
                     except Exception as err:  # a plan that does not fit: report once, go on
                         if not times[name]:
                             print(f"  {name}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
                         times[name].append(math.nan)
-            medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+            medians = {name: sorted(t)[len(t) // 2] if t else math.nan for name, t in times.items()}
             base = medians["table"]
             print(f"B {b} Hq {hq} Hkv {hkv} Sk {sk} D {d} {cache}:")
             for name, ms in medians.items():
-                gbps = read[variants[name][1]] / ms / 1e6
+                gbps = read[variants[name][1] if name in variants else fp8] / ms / 1e6
                 print(f"  {name:28s} {ms * 1e3:9.1f} us {gbps:7.0f} GB/s  table/this {base / ms:5.2f}x", flush=True)
             if fp8:
                 print(f"  FP8 cache against the 16-bit cache, table plans: "

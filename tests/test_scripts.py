@@ -3,6 +3,9 @@ repository root of a fresh checkout (``python3 -m scripts.<name>`` or ``bash scr
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 import os
 import re
 import subprocess
@@ -10,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = sorted(p for p in (ROOT / "scripts").iterdir() if p.suffix in (".py", ".sh") and p.name != "__init__.py")
@@ -97,6 +101,44 @@ def test_sweep_attention_decode_plan_changes_set_the_fields_they_name():
     assert sweep_attention._decode_plan_change("splits/2")(table).splits == 2
     assert sweep_attention._decode_plan_change("splits/8")(table).splits == 1
     assert sweep_attention._decode_plan_change("balanced=1")(table).balanced is True
+
+
+def test_sweep_attention_decode_output_check_measures_each_variant_against_the_first():
+    """``scripts.sweep_attention`` checks every decode variant's output against the table plan's before timing it:
+    equal outputs give 0, a shifted one its shift over max(1, max |reference|), NaN an infinite gap, a variant that
+    raises no entry; a real decode step under twice the splits stays within the tolerance."""
+    from benchmarks import bench_attention
+    from kernels.attention import configs
+    from scripts import sweep_attention
+
+    shift = {"by": 0.0}
+
+    @contextlib.contextmanager
+    def shifted(by):
+        shift["by"] = by
+        try:
+            yield
+        finally:
+            shift["by"] = 0.0
+
+    def fails():
+        raise RuntimeError("does not fit")
+
+    reference = torch.linspace(-3.0, 3.0, 64)
+    gaps = sweep_attention._decode_output_gaps(
+        lambda: reference + shift["by"],
+        {"table": contextlib.nullcontext, "same": contextlib.nullcontext, "off": functools.partial(shifted, 0.3),
+         "nan": functools.partial(shifted, math.nan), "fails": fails})
+    assert gaps["table"] == gaps["same"] == 0.0
+    assert gaps["off"] == pytest.approx(0.1) and gaps["off"] > sweep_attention.DECODE_OUTPUT_TOLERANCE
+    assert gaps["nan"] == math.inf and "fails" not in gaps
+
+    call, _ = bench_attention._decode_call("ours", 1, 4, 2, 256, 16, torch.float32, False)
+    split = configs.decode_plan(1, 2, 2, 16, torch.float32, 256, False, 4).splits
+    gaps = sweep_attention._decode_output_gaps(call, {
+        "table": contextlib.nullcontext,
+        "splits*2": functools.partial(configs.override_decode, lambda plan: plan._replace(splits=2 * split))})
+    assert gaps["splits*2"] <= sweep_attention.DECODE_OUTPUT_TOLERANCE
 
 
 def test_decode_kernels_from_swaps_in_a_baseline_and_restores_this_checkouts():
