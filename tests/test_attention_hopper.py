@@ -160,6 +160,25 @@ def test_the_one_consumer_forward_programs_walk_several_pairs_of_tiles_three_to_
 @pytest.mark.cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("sq, sk", [(2500, 2500), (3072, 3072), (2100, 3000)], ids=str)
+def test_grouped_causal_forwards_past_the_ungrouped_bound_take_the_one_consumer_tile_by_default(sq, sk, dtype):
+    # the default path: grouped causal D 64 calls to HOPPER_FORWARD_GROUPED_CAUSAL_BELOW keys run
+    # the one-consumer tile, three programs per SM walking pairs of tiles, as the portable kernel computes them
+    tile = configs.HOPPER_FORWARD_SHORT_CAUSAL[64][0]
+    assert configs.hopper_forward_tile(64, sq, right=0, sk=sk, grouped=True) == tile
+    assert configs.hopper_forward_tile(64, sq, right=0, sk=sk) != tile
+    q, k, v = _qkv(2, 8, 2, sq, sk, 64, dtype)
+    with configs.forced_path("auto"):
+        assert ops.uses_hopper_forward(q, k, v, right=0)
+        o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    with configs.forced_path("portable"):
+        o_portable, lse_portable = flash_attention(q, k, v, causal=True, return_lse=True)
+    _assert_equals_portable(o, lse, o_portable, lse_portable, dtype)
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal, sq, sk", [(False, 300, 700), (True, 300, 700), (True, 700, 300)], ids=str)
 @pytest.mark.parametrize("d", [128, 256])
 def test_a_persistent_hopper_forward_program_walks_several_tiles_as_the_portable_kernel_would(causal, sq, sk, dtype,
