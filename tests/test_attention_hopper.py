@@ -137,6 +137,16 @@ def test_every_forward_tile_of_a_head_dim_equals_the_portable_kernel(case, which
     _assert_equals_portable(o, lse, o_portable, lse_portable, dtype)
 
 
+def _causal_hopper_forward_equals_portable(q, k, v, path, dtype):
+    """A causal forward on kernel path ``path``, which must take the Hopper kernel, equals the portable kernel's."""
+    with configs.forced_path(path):
+        assert ops.uses_hopper_forward(q, k, v, right=0)
+        o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    with configs.forced_path("portable"):
+        o_portable, lse_portable = flash_attention(q, k, v, causal=True, return_lse=True)
+    _assert_equals_portable(o, lse, o_portable, lse_portable, dtype)
+
+
 @pytest.mark.cuda
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -149,12 +159,7 @@ def test_the_one_consumer_forward_programs_walk_several_pairs_of_tiles_three_to_
     q, k, v = _qkv(8, 40, 8, sq, sk, 64, dtype)
     items = ((sq + 63) // 64 + 1) // 2 * 8 * 40
     assert items > 2 * tile.programs_per_sm * configs.sm_count(q.device)
-    with configs.forced_path("hopper"):
-        assert ops.uses_hopper_forward(q, k, v, right=0)
-        o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
-    with configs.forced_path("portable"):
-        o_portable, lse_portable = flash_attention(q, k, v, causal=True, return_lse=True)
-    _assert_equals_portable(o, lse, o_portable, lse_portable, dtype)
+    _causal_hopper_forward_equals_portable(q, k, v, "hopper", dtype)
 
 
 @pytest.mark.cuda
@@ -168,12 +173,7 @@ def test_grouped_causal_forwards_past_the_ungrouped_bound_take_the_one_consumer_
     assert configs.hopper_forward_tile(64, sq, right=0, sk=sk, grouped=True) == tile
     assert configs.hopper_forward_tile(64, sq, right=0, sk=sk) != tile
     q, k, v = _qkv(2, 8, 2, sq, sk, 64, dtype)
-    with configs.forced_path("auto"):
-        assert ops.uses_hopper_forward(q, k, v, right=0)
-        o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
-    with configs.forced_path("portable"):
-        o_portable, lse_portable = flash_attention(q, k, v, causal=True, return_lse=True)
-    _assert_equals_portable(o, lse, o_portable, lse_portable, dtype)
+    _causal_hopper_forward_equals_portable(q, k, v, "auto", dtype)
 
 
 @pytest.mark.cuda
