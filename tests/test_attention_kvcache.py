@@ -391,17 +391,21 @@ def _fp8_inputs(dtype, scales, *, paged: bool, seed=0):
     return q, caches[0], caches[1], seqlens_t, k, v, table
 
 
+@pytest.mark.parametrize("v_words", [True, False], ids=["v-words", "v-elements"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("scale_kind", ["float", "scalar", "per_head"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_fp8_cache_matches_the_twin_and_quantises_appends_as_torch(dtype, scale_kind, paged):
+def test_fp8_cache_matches_the_twin_and_quantises_appends_as_torch(dtype, scale_kind, paged, v_words):
+    """``v_words``: on a GPU, 16-bit queries against V tiles widened as 32-bit words or element by element (the
+    interpreter runs FP8 caches as fp32 tiles either way)."""
     scales = _fp8_scales(scale_kind, FP8_SHAPE[1])
     q, k_cache, v_cache, seqlens_t, k, v, table = _fp8_inputs(dtype, scales, paged=paged)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ref = twin.attention_with_kvcache(q.double(), ref_k, ref_v, seqlens_t, k=k.double(), v=v.double(),
                                       block_table=table, k_scale=scales[0], v_scale=scales[1])
-    out = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v, block_table=table,
-                                       k_scale=scales[0], v_scale=scales[1])
+    with _forced(None, v_words=v_words):
+        out = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v, block_table=table,
+                                           k_scale=scales[0], v_scale=scales[1])
     # the appended tokens are stored exactly as torch rounds them (from q's dtype: the twin's k is that, widened)
     assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
@@ -414,6 +418,37 @@ def test_fp8_cache_matches_the_twin_and_quantises_appends_as_torch(dtype, scale_
                 results.append(flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v,
                                                             block_table=table, k_scale=scales[0], v_scale=scales[1]))
         assert torch.equal(*results)
+
+
+@pytest.mark.parametrize("v_words", [True, False], ids=["v-words", "v-elements"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_fp8_value_of_v_reads_back_exactly(dtype, v_words):
+    """Every finite float8_e4m3fn value stored in V comes out unchanged where the softmax puts all its weight on its
+    key: the widening of V tiles is exact, in an unmasked key block (a full cache) and in a masked last one, each
+    sequence's chosen key holding a row of the values and every other key a score 2^14 below it."""
+    d, capacity = by_mode(interpreter=(16, 32), cuda=(128, 512))
+    values = torch.arange(256, dtype=torch.int32)
+    values = values[(values & 0x7F) != 0x7F].to(torch.uint8)  # NaN excepted
+    batch = -(-values.numel() // d)
+    rows = torch.zeros(batch * d, dtype=torch.uint8)
+    rows[:values.numel()] = values
+    gen = torch.Generator().manual_seed(0)
+    lengths = [capacity if b % 2 == 0 else capacity - 3 for b in range(batch)]
+    chosen = [int(torch.randint(0, n, (1,), generator=gen)) for n in lengths]
+    v_cache = (torch.randint(0, 0x7F, (batch, 1, capacity, d), generator=gen, dtype=torch.uint8)
+               | (torch.randint(0, 2, (batch, 1, capacity, d), generator=gen, dtype=torch.uint8) << 7))
+    k_cache = torch.zeros(batch, 1, capacity, d, dtype=torch.uint8)
+    for b in range(batch):
+        v_cache[b, 0, chosen[b]] = rows[b * d:(b + 1) * d]
+        k_cache[b, 0, chosen[b], 0] = 0x7E  # 448
+    q = torch.zeros(batch, 1, 1, d)
+    q[..., 0] = 448.0
+    with _forced(None, v_words=v_words):
+        out = flash_attention_with_kvcache(
+            q.to(DEVICE, dtype), k_cache.to(DEVICE).view(FP8), v_cache.to(DEVICE).view(FP8),
+            torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k_scale=1.0, v_scale=1.0)
+    expected = rows.view(FP8).float().view(batch, 1, 1, d)
+    assert torch.equal(out.float().cpu(), expected)
 
 
 def test_fp8_rounding_is_torchs_at_ties_and_the_formats_edges():
