@@ -1,14 +1,15 @@
 """Compile the Hopper (sm_90) attention kernels on a machine without a GPU and report what ptxas makes of them.
 
     python3 -m scripts.hopper_offline [--dims 64,128] [--kernels fwd,bwd,decode] [--causal] [--dropout] [--sass]
-        [--group-heads N] [--pages 16,40]
+        [--group-heads N] [--pages 16,40] [--decode-plan widen_first=1]
 
 The Gluon kernels do not run in the Triton interpreter, so a change to them is otherwise first seen on a GPU. This
 tool compiles them for sm_90a through the public launch path (``kernels.attention.ops``), with a stand-in driver
 that names an sm_90 target and launches nothing, then runs Triton's own ``ptxas -v`` over the PTX: a frontend,
 layout or register-allocation failure shows here, and so do registers and spill bytes per kernel (which the
 Triton launcher only reports on a GPU). ``decode`` compiles the KV-cache decode kernel (a Triton kernel) for a bf16
-and an FP8 cache (B 16, Hq 32/Hkv 8, 8192 keys), with ``--pages`` also paged caches of those page sizes; ``--sass``
+and an FP8 cache (B 16, Hq 32/Hkv 8, 8192 keys), with ``--pages`` also paged caches of those page sizes, with
+``--decode-plan`` the table's plan with those ``configs.DecodePlan`` fields set (``field=N,...``); ``--sass``
 adds each kernel's most frequent SASS instructions (Triton's own cuobjdump), the count that shows, for example, what
 widening FP8 tiles costs. Nothing is timed; the speed still needs the GPU.
 """
@@ -161,9 +162,17 @@ def main(argv=None) -> None:
     parser.add_argument("--sass", action="store_true", help="also each kernel's most frequent SASS instructions")
     parser.add_argument("--group-heads", type=int, help="the backward's query heads per program (group split)")
     parser.add_argument("--pages", default="", help="decode: also paged caches of these page sizes, comma-separated")
+    parser.add_argument("--decode-plan", default="", help="decode: DecodePlan fields to set, e.g. widen_first=1")
     args = parser.parse_args(argv)
-    rows = compile_attention(args.kernels.split(","), [int(d) for d in args.dims.split(",")], args.causal,
-                             args.dropout, args.group_heads, tuple(int(p) for p in args.pages.split(",") if p))
+    fields = dict(part.split("=") for part in args.decode_plan.split(",") if part)
+    from kernels.attention import configs
+
+    def plan(p):
+        return p._replace(**{name: type(getattr(p, name))(int(value)) for name, value in fields.items()})
+
+    with configs.override_decode(plan) if fields else contextlib.nullcontext():
+        rows = compile_attention(args.kernels.split(","), [int(d) for d in args.dims.split(",")], args.causal,
+                                 args.dropout, args.group_heads, tuple(int(p) for p in args.pages.split(",") if p))
     for name, label, grid, seconds, kernel in rows:
         print(f"{name} {label} grid {grid} ({seconds:.1f} s): {ptxas_report(kernel.asm['ptx'])}")
         if args.sass:
