@@ -1,7 +1,7 @@
 """Compile the Hopper (sm_90) attention kernels on a machine without a GPU and report what ptxas makes of them.
 
     python3 -m scripts.hopper_offline [--dims 64,128] [--kernels fwd,bwd,decode] [--causal] [--dropout] [--sass]
-        [--group-heads N] [--pages 16,40] [--decode-plan widen_first=1]
+        [--group-heads N] [--pages 16,40] [--decode-plan block_n=64]
 
 The Gluon kernels do not run in the Triton interpreter, so a change to them is otherwise first seen on a GPU. This
 tool compiles them for sm_90a through the public launch path (``kernels.attention.ops``), with a stand-in driver
@@ -110,7 +110,6 @@ def compile_attention(kernels: list[str], dims: list[int], causal: bool, dropout
     compiled: list = []
     ops.kernel_for = kvcache.kernel_for = lambda kernel, traceable: _Compiles(kernel, compiled)
     ops.multiprocessor_count = lambda index: 132
-    kvcache._converts_e4m3_pairs = lambda device: True  # an sm_90 target
     configs.sm_count = lambda device: 132
     left, right = (-1, 0) if causal else (-1, -1)
     rows = []
@@ -162,7 +161,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sass", action="store_true", help="also each kernel's most frequent SASS instructions")
     parser.add_argument("--group-heads", type=int, help="the backward's query heads per program (group split)")
     parser.add_argument("--pages", default="", help="decode: also paged caches of these page sizes, comma-separated")
-    parser.add_argument("--decode-plan", default="", help="decode: DecodePlan fields to set, e.g. widen_first=1")
+    parser.add_argument("--decode-plan", default="", help="decode: DecodePlan fields, e.g. block_n=64")
     args = parser.parse_args(argv)
     fields = dict(part.split("=") for part in args.decode_plan.split(",") if part)
     from kernels.attention import configs

@@ -391,21 +391,17 @@ def _fp8_inputs(dtype, scales, *, paged: bool, seed=0):
     return q, caches[0], caches[1], seqlens_t, k, v, table
 
 
-@pytest.mark.parametrize("widen_first", [True, False], ids=["widen-first", "widen-in-product"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("scale_kind", ["float", "scalar", "per_head"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_fp8_cache_matches_the_twin_and_quantises_appends_as_torch(dtype, scale_kind, paged, widen_first):
-    """``widen_first``: on a GPU, 16-bit queries against FP8 tiles widened before the products or in their operand
-    layouts (the interpreter runs FP8 caches as fp32 tiles either way)."""
+def test_fp8_cache_matches_the_twin_and_quantises_appends_as_torch(dtype, scale_kind, paged):
     scales = _fp8_scales(scale_kind, FP8_SHAPE[1])
     q, k_cache, v_cache, seqlens_t, k, v, table = _fp8_inputs(dtype, scales, paged=paged)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ref = twin.attention_with_kvcache(q.double(), ref_k, ref_v, seqlens_t, k=k.double(), v=v.double(),
                                       block_table=table, k_scale=scales[0], v_scale=scales[1])
-    with _forced(None, widen_first=widen_first):
-        out = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v, block_table=table,
-                                           k_scale=scales[0], v_scale=scales[1])
+    out = flash_attention_with_kvcache(q, k_cache, v_cache, seqlens_t, k=k, v=v, block_table=table,
+                                       k_scale=scales[0], v_scale=scales[1])
     # the appended tokens are stored exactly as torch rounds them (from q's dtype: the twin's k is that, widened)
     assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
@@ -420,9 +416,8 @@ def test_fp8_cache_matches_the_twin_and_quantises_appends_as_torch(dtype, scale_
         assert torch.equal(*results)
 
 
-@pytest.mark.parametrize("widen_first", [True, False], ids=["widen-first", "widen-in-product"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_every_fp8_value_of_v_reads_back_exactly(dtype, widen_first):
+def test_every_fp8_value_of_v_reads_back_exactly(dtype):
     """Every finite float8_e4m3fn value stored in V comes out unchanged where the softmax puts all its weight on its
     key: the widening of V tiles is exact, in an unmasked key block (a full cache) and in a masked last one, each
     sequence's chosen key holding a row of the values and every other key a score 2^14 below it."""
@@ -443,10 +438,9 @@ def test_every_fp8_value_of_v_reads_back_exactly(dtype, widen_first):
         k_cache[b, 0, chosen[b], 0] = 0x7E  # 448
     q = torch.zeros(batch, 1, 1, d)
     q[..., 0] = 448.0
-    with _forced(None, widen_first=widen_first):
-        out = flash_attention_with_kvcache(
-            q.to(DEVICE, dtype), k_cache.to(DEVICE).view(FP8), v_cache.to(DEVICE).view(FP8),
-            torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k_scale=1.0, v_scale=1.0)
+    out = flash_attention_with_kvcache(
+        q.to(DEVICE, dtype), k_cache.to(DEVICE).view(FP8), v_cache.to(DEVICE).view(FP8),
+        torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k_scale=1.0, v_scale=1.0)
     expected = rows.view(FP8).float().view(batch, 1, 1, d)
     assert torch.equal(out.float().cpu(), expected)
 

@@ -157,14 +157,14 @@ def test_decode_kernels_from_swaps_in_a_baseline_and_restores_this_checkouts():
     assert (kvcache._kvcache_append_kernel, kvcache._kvcache_attn_kernel) == ours
 
 
-@pytest.mark.parametrize("split", [["--group-heads", "8"], ["--group-heads", "1", "--decode-plan", "widen_first=1"]],
-                         ids=["whole-groups", "split-groups-widen-first"])
+@pytest.mark.parametrize("split", [["--group-heads", "8"], ["--group-heads", "1", "--decode-plan", "block_n=64"]],
+                         ids=["whole-groups", "split-groups-another-decode-plan"])
 def test_hopper_offline_compiles_the_gluon_kernels_without_a_gpu(split):
     """``scripts.hopper_offline`` compiles the Hopper forward and backward for sm_90 with a stand-in driver and
     reports ptxas's registers and spill bytes for each, in a process of its own (the Gluon kernels do not run
     under the interpreter, which this suite may have on); the backward with whole GQA groups per program and with
-    each group split over programs; the decode kernel with an FP8 cache's tiles widened in the products or before
-    them (``DecodePlan.widen_first``: inline assembly, which the interpreter cannot run either)."""
+    each group split over programs; the decode kernel with the table's plan and with fields of it set
+    (``--decode-plan``)."""
     unset = ("PYTHONPATH", "TRITON_INTERPRET", "FUSED_KERNELS_TEST_MODE")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     done = subprocess.run([sys.executable, "-m", "scripts.hopper_offline", "--dims", "64", "--causal", "--kernels",

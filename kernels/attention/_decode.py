@@ -24,9 +24,7 @@ waits on its page numbers, so the pipeliner keeps one block in flight and a page
 or (``PAGES_AHEAD``: paged FP8, or one sequence at one program per SM) the page numbers load a block early. FP8
 caches: tiles widen to q's dtype for their products, to fp16 where q is bf16 (``_fp16_queries``: one conversion per
 pair, where bf16 is a chain); the K scale multiplies the softmax scale, the V scale the output. The widening bounds
-a contiguous FP8 step, not memory, so it too runs two programs per SM. ``WIDEN_FIRST`` (a plan option, off until
-timed): K and V widen to fp16 tiles before the products, V from 32-bit words, and the products read them from shared
-memory, instead of widening each tile in its product's operand layout (V byte by byte there).
+a contiguous FP8 step, not memory, so it too runs two programs per SM.
 
 Limits: forward only, any head dim of the family (padded to a power of two), fp16/bf16/fp32 and float8_e4m3fn
 caches; ``cache_seqlens[b] + Sq_new`` is clamped to [0, capacity] on the device, block-table entries are not checked.
@@ -182,34 +180,12 @@ def _fp16_queries(q, scale_log2):
 
 
 @triton.jit
-def _fp8_words_as_fp16(words, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The (BLOCK_N, BLOCK_D) fp16 tile whose float8_e4m3fn bytes are the int32 ``words`` (BLOCK_N, BLOCK_D / 4),
-    byte j of word c being column 4c + j (little-endian), exactly, by ``cvt.rn.f16x2.e4m3x2`` (sm_89 on), in the
-    layout the words were loaded in: a V tile widened in the product's own layout reads each byte alone (a key's
-    neighbour in a V column is D bytes away) and pairs them by integer arithmetic."""
-    b0, b1, b2, b3 = tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 r0, r1; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 r0, lo; "
-        "cvt.rn.f16x2.e4m3x2 r1, hi; mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; }",
-        "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_D))
-
-
-@triton.jit
-def _fp16_operand(x):
-    """The fp16 tile ``x`` unchanged, through an identity Triton does not look past (a ``mov`` with side effects,
-    which ptxas drops): a product of it lays its operands out for 16-bit tiles, read from shared memory by
-    ``ldmatrix``, instead of for the 8-bit loads behind it (4 elements deep per register pair, whose other operand
-    then loads in halves that register moves reassemble, about 200 a key block at D 128)."""
-    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
-
-
-@triton.jit
 def _kvcache_attn_inner(
     acc, m_i, l_i, q, k_head, v_head, table_row, start, end, q_idx, offs_n, offs_d, L, D, block_size,
     stride_kpage, stride_ks, stride_kd, stride_vpage, stride_vs, stride_vd, lo_shift, hi_shift, scale_log2,
     MASKED: tl.constexpr, PAGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-    PAGES_AHEAD: tl.constexpr = False, WIDEN_FIRST: tl.constexpr = False,
+    PAGES_AHEAD: tl.constexpr = False,
 ):
     """Stream cache positions [start, end) (whole key blocks, except a masked last one) through the online
     softmax (base 2). ``PAGES_AHEAD`` (paged, whole blocks): each block's page numbers are loaded one iteration
@@ -233,24 +209,13 @@ def _kvcache_attn_inner(
         k_ptrs = k_head + k_rows[:, None] + offs_d[None, :] * stride_kd
         v_ptrs = v_head + v_rows[:, None] + offs_d[None, :] * stride_vd
         k = _load_tile(k_ptrs, cols, L, offs_d, D, MASKED, EVEN_D).to(q.dtype)  # an FP8 cache's tiles widen here
-        if WIDEN_FIRST:
-            k = _fp16_operand(k)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         seen = None
         if MASKED:
             seen = _apply_window(cols[None, :] < L, q_idx[:, None], cols[None, :], lo_shift, hi_shift, False,
                                  HAS_LEFT, HAS_RIGHT)
         p, alpha, m_new, l_i = _online_softmax_step(qk, seen, m_i, l_i, scale_log2, MASKED)
-        if WIDEN_FIRST:  # an FP8 cache's V rows as 32-bit words (4-byte aligned rows, D = BLOCK_D)
-            offs_w = tl.arange(0, offs_d.shape[0] // 4)
-            w_ptrs = v_head.to(tl.pointer_type(tl.int32)) + (v_rows >> 2)[:, None] + offs_w[None, :]
-            if MASKED:
-                words = tl.load(w_ptrs, mask=(cols < L)[:, None], other=0)
-            else:
-                words = tl.load(w_ptrs)
-            v = _fp16_operand(_fp8_words_as_fp16(words, BLOCK_N, offs_d.shape[0]))
-        else:
-            v = _load_tile(v_ptrs, cols, L, offs_d, D, MASKED, EVEN_D).to(q.dtype)
+        v = _load_tile(v_ptrs, cols, L, offs_d, D, MASKED, EVEN_D).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -278,7 +243,7 @@ def _decode_rows(
     STORE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, K_SCALE_IN_MEMORY: tl.constexpr,
     V_SCALE_IN_MEMORY: tl.constexpr, PAGE_SHIFT: tl.constexpr, LONE_PARTS: tl.constexpr,
-    PAGES_AHEAD: tl.constexpr, WIDEN_FIRST: tl.constexpr,
+    PAGES_AHEAD: tl.constexpr,
 ):
     """Row block ``pid_r`` of sequence ``b`` and key/value head ``hk`` over key blocks ``[first_block, end_block)``
     of the keys its queries see (counted from ``lo``): one of the ``splits`` parts of those keys, whose partial
@@ -331,18 +296,15 @@ def _decode_rows(
     acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, start, full_lo, q_idx, offs_n,
                                         offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
                                         stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, True, PAGED, HAS_LEFT,
-                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT,
-                                        WIDEN_FIRST=WIDEN_FIRST)
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT)
     acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, full_lo, full_hi, q_idx,
                                         offs_n, offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
                                         stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, False, PAGED, HAS_LEFT,
-                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT, PAGES_AHEAD,
-                                        WIDEN_FIRST)
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT, PAGES_AHEAD)
     acc, m_i, l_i = _kvcache_attn_inner(acc, m_i, l_i, q, k_head, v_head, table_row, full_hi, end, q_idx, offs_n,
                                         offs_d, L, D, block_size, stride_kb, stride_ks, stride_kd, stride_vb,
                                         stride_vs, stride_vd, lo_shift, hi_shift, scale_log2, True, PAGED, HAS_LEFT,
-                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT,
-                                        WIDEN_FIRST=WIDEN_FIRST)
+                                        HAS_RIGHT, EVEN_D, BLOCK_N, DOT_PRECISION, PAGE_SHIFT)
 
     # l_i = 0 only for a row that saw no key (an empty part, a query before every visible key); not `l_i > 0`,
     # which would turn a NaN row into zeros
@@ -402,7 +364,6 @@ def _kvcache_attn_kernel(
     V_SCALE_IN_MEMORY: tl.constexpr, BALANCED: tl.constexpr = False, BLOCK_B: tl.constexpr = 1,
     PAGE_SHIFT: tl.constexpr = -1,  # PAGED: log2(block_size) where it is a power of two, else -1
     PAGES_AHEAD: tl.constexpr = False,  # PAGED: page numbers loaded a key block ahead (DecodePlan.pages_ahead)
-    WIDEN_FIRST: tl.constexpr = False,  # an FP8 cache's tiles widened to fp16 tiles before the products
 ):
     pid_r = tl.program_id(2)
     if BALANCED:
@@ -441,7 +402,7 @@ def _kvcache_attn_kernel(
                          stride_k_scale, stride_v_scale, b, hk, pid_r, first_block, end_block, slots + b + program,
                          slots + b + seq_first, seq_last - seq_first + 1, HAS_LEFT, HAS_RIGHT, PAGED, SPLIT,
                          STORE_LSE, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, DOT_PRECISION, K_SCALE_IN_MEMORY,
-                         V_SCALE_IN_MEMORY, PAGE_SHIFT, True, PAGES_AHEAD, WIDEN_FIRST)
+                         V_SCALE_IN_MEMORY, PAGE_SHIFT, True, PAGES_AHEAD)
     else:
         # program (sequence * head, split, row block): the keys the sequence's queries see cut into SPLITS parts
         pid_bhk = tl.program_id(0)
@@ -458,7 +419,7 @@ def _kvcache_attn_kernel(
                      stride_k_scale, stride_v_scale, b, hk, pid_r, split * per_split, (split + 1) * per_split,
                      pid_bhk * SPLITS + split, pid_bhk * SPLITS, SPLITS, HAS_LEFT, HAS_RIGHT, PAGED, SPLIT,
                      STORE_LSE, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, DOT_PRECISION, K_SCALE_IN_MEMORY,
-                     V_SCALE_IN_MEMORY, PAGE_SHIFT, False, PAGES_AHEAD, WIDEN_FIRST)
+                     V_SCALE_IN_MEMORY, PAGE_SHIFT, False, PAGES_AHEAD)
 
 
 #: splits the combine takes per step, their loads issued together

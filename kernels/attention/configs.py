@@ -659,11 +659,6 @@ class DecodePlan(NamedTuple):
     splits: int  # key splits per (batch, key/value head), 1: nothing to combine; balanced: programs per head
     balanced: bool = False  # the batch's keys shared evenly by `splits` programs per head (DECODE_BALANCED_SPLITS)
     pages_ahead: bool = False  # paged: each key block's page numbers loaded one iteration before its K and V
-    # an FP8 cache: K and V widened to fp16 tiles before the products (V from 32-bit words), which read them from
-    # shared memory, not in the products' operand layouts (``_decode._fp8_words_as_fp16``, ``_fp16_operand``), where
-    # the rows allow it (``kvcache._fp8_widen_first``); off until timed on a GPU (32-39% fewer instructions per key
-    # block at D 64-128, counted offline: the family's TUNING.md)
-    widen_first: bool = False
 
 
 def _decode_plan(batch: int, kv_heads: int, rows: int, d: int, dtype: torch.dtype, capacity: int, paged: bool,

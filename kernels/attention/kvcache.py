@@ -18,8 +18,6 @@ every step, plus a plan stored and dropped (``PlanCache`` empties past its limit
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
@@ -557,21 +555,6 @@ def _attend(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, le
     return o, lse
 
 
-@functools.cache
-def _converts_e4m3_pairs(device: torch.device) -> bool:
-    """Whether ``device`` is a GPU with ``cvt.rn.f16x2.e4m3x2`` (sm_89 on)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _fp8_widen_first(q, v_cache, d: int, bd: int) -> bool:
-    """Whether an FP8 cache's tiles can widen before the products (``DecodePlan.widen_first``): 16-bit queries, the
-    head dim a power of two (no padded columns), every V row 4-byte aligned (V loads as 32-bit words), a GPU with
-    the e4m3 pair conversion."""
-    return (v_cache.dtype == FP8_CACHE and q.dtype in (torch.float16, torch.bfloat16) and d == bd
-            and v_cache.stride(-1) == 1 and not any(s % 4 for s in v_cache.stride()[:-1])
-            and v_cache.data_ptr() % 4 == 0 and _converts_e4m3_pairs(q.device))
-
-
 def _attend_parts(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_table, left: int, right: int,
                   scale: float, return_lse: bool, capacity: int, o: torch.Tensor | None = None, k_scale=None,
                   v_scale=None) -> tuple:
@@ -611,7 +594,6 @@ def _attend_parts(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_tab
 
     page = k_cache.shape[2] if paged else 1
     page_shift = page.bit_length() - 1 if paged and page & (page - 1) == 0 else -1
-    widen_first = plan.widen_first and _fp8_widen_first(q, v_cache, d, bd)
 
     def launch():
         kernel_for(_kvcache_attn_kernel, traceable=False)[grid](
@@ -624,7 +606,7 @@ def _attend_parts(q, k_cache, v_cache, cache_seqlens, new_tokens: int, block_tab
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=bd, EVEN_D=d == bd,
             DOT_PRECISION=dot_precision(q.dtype), **scale_flags, BALANCED=balanced,
             BLOCK_B=triton.next_power_of_2(batch) if balanced else 1, PAGE_SHIFT=page_shift,
-            PAGES_AHEAD=paged and plan.pages_ahead, WIDEN_FIRST=widen_first, num_warps=plan.num_warps,
+            PAGES_AHEAD=paged and plan.pages_ahead, num_warps=plan.num_warps,
             num_stages=plan.num_stages,
         )
 
