@@ -420,7 +420,7 @@ def test_fp8_cache_matches_the_twin_and_quantises_appends_as_torch(dtype, scale_
 def test_every_fp8_value_of_v_reads_back_exactly(dtype):
     """Every finite float8_e4m3fn value stored in V comes out unchanged where the softmax puts all its weight on its
     key: the widening of V tiles is exact, in an unmasked key block (a full cache) and in a masked last one, each
-    sequence's chosen key holding a row of the values and every other key a score 2^14 below it."""
+    sequence's chosen key holding a row of the values and every other key a score at least 2^14 below it."""
     d, capacity = by_mode(interpreter=(16, 32), cuda=(128, 512))
     values = torch.arange(256, dtype=torch.int32)
     values = values[(values & 0x7F) != 0x7F].to(torch.uint8)  # NaN excepted
